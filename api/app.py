@@ -1,0 +1,80 @@
+"""The FastAPI application: connections are opened in the lifespan, never at import time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from api.errors import install_error_handlers
+from api.event_router import EventRouter
+from api.job_submitter import JobSubmitter
+from api.metrics import Metrics
+from api.middleware import ApiKeyMiddleware, BodyGuardMiddleware
+from api.request_context import RequestContextMiddleware
+from api.routes import chat, completions, embeddings, health, metrics, models, resume
+from api.settings import ApiSettings
+from api.worker_directory import WorkerDirectory
+from shared.connection import connect_redis, redacted
+
+logger = logging.getLogger("relaylm.api")
+
+# Liveness must answer without a key (load balancers and orchestrators probe it).
+PUBLIC_PATHS = ("/health",)
+
+
+def create_app(settings: ApiSettings) -> FastAPI:
+    app_metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = connect_redis(settings.redis_url)
+        keys = settings.keys
+        router = EventRouter(redis, keys)
+        directory = WorkerDirectory(redis, keys)
+        await router.start()
+        app.state.settings = settings
+        app.state.redis = redis
+        app.state.directory = directory
+        app.state.metrics = app_metrics
+        app.state.submitter = JobSubmitter(redis, keys, router, directory, settings, app_metrics)
+        logger.info("API ready; Redis at %s", redacted(settings.redis_url))
+        try:
+            yield
+        finally:
+            await router.stop()
+            await redis.aclose()
+
+    app = FastAPI(
+        title="relaylm",
+        summary="OpenAI-compatible LLM serving with workers behind Redis",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    # Added innermost first: CORS answers preflights, then keys are checked, then bodies are read.
+    app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
+    api_keys = settings.load_api_keys()
+    if api_keys:
+        public = [*PUBLIC_PATHS, *(["/metrics"] if settings.metrics_public else [])]
+        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, exempt_paths=public)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=["authorization", "content-type", "last-event-id", "x-request-id"],
+            expose_headers=["x-request-id"],
+        )
+    app.add_middleware(RequestContextMiddleware, metrics=app_metrics)
+    app.include_router(chat.router)
+    app.include_router(completions.router)
+    app.include_router(embeddings.router)
+    app.include_router(resume.router)
+    app.include_router(models.router)
+    app.include_router(health.router)
+    app.include_router(metrics.router)
+    return app

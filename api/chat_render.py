@@ -1,0 +1,151 @@
+"""Job events → OpenAI chat completion chunks, sent as server-sent events."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import anyio
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import AppStatus
+
+from api.job_stream import JobStream
+from api.settings import ApiSettings
+from shared.errors import RelayError
+from shared.events import DeltaEvent, EndEvent, ErrorEvent, UsageCounts
+from shared.openai.chat_response import (
+    ChatCompletionChunk,
+    ChoiceLogprobs,
+    ChunkChoice,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    LogprobEntry,
+    PromptTokensDetails,
+    TopLogprobEntry,
+    Usage,
+)
+
+DONE = "[DONE]"
+
+
+class KeepAliveComment(ServerSentEvent):
+    """A keep-alive that is a bare comment line, not a whole (empty) event.
+
+    The ``openai`` SDK's SSE decoder keeps the last ``id:`` across events, so the blank line after
+    a standalone ``: ping`` comment dispatches an event with empty data, which it then fails to
+    parse as JSON. A comment line without its own blank line is skipped by every SSE parser and
+    still keeps proxies from timing out an idle connection.
+    """
+
+    def encode(self) -> bytes:
+        return b": keep-alive\n"
+
+
+def to_usage(counts: UsageCounts) -> Usage:
+    details = PromptTokensDetails(cached_tokens=counts.cached_tokens) if counts.cached_tokens else None
+    return Usage(
+        prompt_tokens=counts.prompt_tokens,
+        completion_tokens=counts.completion_tokens,
+        total_tokens=counts.prompt_tokens + counts.completion_tokens,
+        prompt_tokens_details=details,
+    )
+
+
+def _error_data(error: RelayError) -> str:
+    return json.dumps(error.to_body())
+
+
+def logprob_entries(event: DeltaEvent) -> list[LogprobEntry]:
+    def utf8(token: str) -> list[int]:
+        return list(token.encode("utf-8", errors="replace"))
+
+    return [
+        LogprobEntry(
+            token=entry.token,
+            logprob=entry.logprob,
+            bytes=utf8(entry.token),
+            top_logprobs=[TopLogprobEntry(token=t.token, logprob=t.logprob, bytes=utf8(t.token)) for t in entry.top],
+        )
+        for entry in event.logprobs or []
+    ]
+
+
+def delta_tool_calls(event: DeltaEvent) -> list[DeltaToolCall] | None:
+    """OpenAI's rules: ``id``, ``type`` and ``name`` only on a call's first fragment."""
+    if not event.tool_calls:
+        return None
+    return [
+        DeltaToolCall(
+            index=call.index,
+            id=call.id,
+            type="function" if call.id is not None else None,
+            function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+        )
+        for call in event.tool_calls
+    ]
+
+
+class ChunkWriter:
+    """Builds chunks that all share the job's ``id``, ``created`` and ``model``."""
+
+    def __init__(self, stream: JobStream, reasoning_field: str) -> None:
+        job = stream.job
+        self._id, self._created, self._model = job.job_id, job.created, job.request.model
+        self._reasoning_field = reasoning_field
+
+    def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
+        return ChatCompletionChunk(
+            id=self._id, created=self._created, model=self._model, choices=choices, usage=usage
+        ).model_dump_json()
+
+    def role(self, index: int) -> str:
+        return self.chunk([ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+
+    def delta(self, event: DeltaEvent) -> str:
+        delta = DeltaMessage(content=event.content, tool_calls=delta_tool_calls(event))
+        if event.reasoning:
+            setattr(delta, self._reasoning_field, event.reasoning)
+        logprobs = ChoiceLogprobs(content=logprob_entries(event)) if event.logprobs else None
+        choice = ChunkChoice(index=event.index, delta=delta, logprobs=logprobs, finish_reason=event.finish_reason)
+        return self.chunk([choice])
+
+
+def sse_response(chunks: AsyncIterator[dict[str, str]], settings: ApiSettings) -> EventSourceResponse:
+    """One way to stream: keep-alive comments, and a drain window when the server stops."""
+    return EventSourceResponse(
+        chunks,
+        ping=settings.sse_ping_interval_s,
+        ping_message_factory=KeepAliveComment,
+        shutdown_grace_period=settings.drain_timeout_s,
+    )
+
+
+async def sse_chunks(
+    stream: JobStream, include_usage: bool, reasoning_field: str, send_role: bool = True
+) -> AsyncIterator[dict[str, str]]:
+    """The SSE body after the start event: role chunks, deltas, optional usage, ``[DONE]``.
+
+    A failure becomes one ``data: {"error": ...}`` event before ``[DONE]``; a client that
+    disconnects cancels this generator, and the job with it.
+    """
+    writer = ChunkWriter(stream, reasoning_field)
+    try:
+        # SSE ids are the job's event sequence numbers (the start event is 0), so a client can
+        # check that nothing was lost or repeated.
+        for index in range(stream.job.request.n if send_role else 0):
+            yield {"id": "0", "data": writer.role(index)}
+        async for event in stream.events():
+            if isinstance(event, DeltaEvent):
+                yield {"id": str(event.seq), "data": writer.delta(event)}
+            elif isinstance(event, EndEvent) and include_usage:
+                yield {"id": str(event.seq), "data": writer.chunk([], to_usage(event.usage))}
+            elif isinstance(event, ErrorEvent):
+                yield {"id": str(event.seq), "data": _error_data(event.to_exception())}
+    except RelayError as exc:
+        yield {"data": _error_data(exc)}
+    finally:
+        # anyio cancels every await in a cancelled scope; the cleanup must still reach Redis.
+        with anyio.CancelScope(shield=True):
+            await stream.close(keep_job=AppStatus.should_exit)
+    yield {"data": DONE}

@@ -1,0 +1,71 @@
+"""Every failure leaves the API as an OpenAI error body with the status from the error table."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shared.errors import ErrorKind, RelayError
+
+logger = logging.getLogger(__name__)
+
+_HTTP_STATUS_KINDS = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWED}
+
+
+def error_response(error: RelayError) -> JSONResponse:
+    headers = {"retry-after": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return JSONResponse(error.to_body(), status_code=error.status, headers=headers)
+
+
+def _param(location: tuple[Any, ...]) -> str | None:
+    parts = [str(part) for part in location if part not in ("body", "query", "path")]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> RelayError:
+    errors = exc.errors()
+    if not errors:
+        return RelayError(ErrorKind.INVALID_REQUEST, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return RelayError(ErrorKind.INVALID_REQUEST, f"The request body is not valid JSON: {detail}".rstrip(": "))
+    param = _param(tuple(first.get("loc", ())))
+    messages = []
+    for error in errors[:5]:
+        where = _param(tuple(error.get("loc", ())))
+        message = str(error.get("msg", "invalid value"))
+        messages.append(f"{where}: {message}" if where else message)
+    return RelayError(ErrorKind.INVALID_REQUEST, "; ".join(messages), param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RelayError)
+    async def _relay_error(_request: Request, exc: RelayError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = _HTTP_STATUS_KINDS.get(exc.status_code, ErrorKind.INVALID_REQUEST)
+        error = RelayError(kind, str(exc.detail))
+        return JSONResponse(error.to_body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RedisError)
+    async def _redis(_request: Request, exc: RedisError) -> JSONResponse:
+        logger.warning("Redis error while serving a request: %s", exc)
+        return error_response(RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(RelayError(ErrorKind.INTERNAL, "internal server error"))

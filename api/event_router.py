@@ -1,0 +1,93 @@
+"""One pub/sub connection per API process, fanned out to per-job queues.
+
+A connection per stream would cost Redis a client per open request; instead channels are
+(un)subscribed on one shared connection. ``subscribe`` returns only once Redis confirmed the
+subscription, so a job enqueued afterwards cannot publish into the void.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from shared.errors import ErrorKind, RelayError
+from shared.redis_keys import RedisKeys
+
+logger = logging.getLogger(__name__)
+
+_SUBSCRIBE_TIMEOUT_S = 5.0
+_RETRY_DELAY_S = 0.5
+
+
+class EventRouter:
+    def __init__(self, redis: Redis, keys: RedisKeys) -> None:
+        self._redis = redis
+        self._pubsub = redis.pubsub()
+        # A channel of our own keeps the connection subscribed (and readable) when no job is open.
+        self._home_channel = f"{keys.prefix}:api:{uuid.uuid4().hex}"
+        self._queues: dict[str, asyncio.Queue[bytes]] = {}
+        self._confirmations: dict[str, asyncio.Future[None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._reader = asyncio.create_task(self._read_forever(), name="relaylm-event-router")
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        with contextlib.suppress(RedisError):
+            await self._pubsub.aclose()
+
+    async def subscribe(self, channel: str) -> asyncio.Queue[bytes]:
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        confirmed = asyncio.get_running_loop().create_future()
+        self._queues[channel] = queue
+        self._confirmations[channel] = confirmed
+        try:
+            await self._pubsub.subscribe(channel)
+            await asyncio.wait_for(confirmed, _SUBSCRIBE_TIMEOUT_S)
+        except (RedisError, TimeoutError) as exc:
+            self._forget(channel)
+            raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
+        return queue
+
+    async def unsubscribe(self, channel: str) -> None:
+        self._forget(channel)
+        with contextlib.suppress(RedisError):
+            await self._pubsub.unsubscribe(channel)
+
+    def _forget(self, channel: str) -> None:
+        self._queues.pop(channel, None)
+        future = self._confirmations.pop(channel, None)
+        if future is not None and not future.done():
+            future.cancel()
+
+    async def _read_forever(self) -> None:
+        while True:
+            try:
+                await self._pubsub.subscribe(self._home_channel)
+                while True:
+                    message = await self._pubsub.get_message(timeout=None)
+                    if message is not None:
+                        self._route(message)
+            except RedisError as exc:
+                logger.warning("event subscription lost (%s); reconnecting", exc)
+                await asyncio.sleep(_RETRY_DELAY_S)
+
+    def _route(self, message: dict[str, object]) -> None:
+        channel = message["channel"]
+        name = channel.decode() if isinstance(channel, bytes) else str(channel)
+        if message["type"] == "message":
+            queue = self._queues.get(name)
+            if queue is not None:
+                queue.put_nowait(message["data"])  # type: ignore[arg-type]
+        elif message["type"] == "subscribe":
+            future = self._confirmations.pop(name, None)
+            if future is not None and not future.done():
+                future.set_result(None)

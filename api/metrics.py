@@ -1,0 +1,113 @@
+"""Prometheus metrics, named like vLLM's (``vllm:`` → ``relaylm:``) so dashboards adapt easily.
+
+Request latencies and token counts are measured in the API, where the client's view is. Worker
+state (running and waiting sequences, KV-cache use, prefix-cache hits) comes from the registry
+heartbeats in Redis and is refreshed on each scrape: one ``/metrics`` on any API process shows
+every worker, and workers expose no port of their own.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from api.worker_directory import WorkerDirectory
+
+_LATENCY_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "relaylm:http_requests", "HTTP requests by route and status", ["route", "method", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "relaylm:time_to_first_token_seconds", "Request arrival to first token", ["model"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "relaylm:inter_token_latency_seconds", "Gap between streamed token deltas", ["model"],
+            buckets=_ITL_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "relaylm:e2e_request_latency_seconds", "Request arrival to last event", ["model"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.queue_time = Histogram(
+            "relaylm:request_queue_time_seconds", "Enqueue to a worker starting the job", ["model"],
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("relaylm:prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("relaylm:generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.request_success = Counter(
+            "relaylm:request_success", "Finished requests by finish reason", ["model", "finished_reason"], registry=r
+        )
+        self.request_failure = Counter(
+            "relaylm:request_failure", "Requests ended by an error, by code", ["model", "code"], registry=r
+        )
+        self.queue_depth = Gauge(
+            "relaylm:queue_depth", "Jobs queued or running per model (arq queue)", ["model"], registry=r
+        )
+        self.live_workers = Gauge("relaylm:live_workers", "Workers heartbeating per model", ["model"], registry=r)
+        worker_labels = ["model", "worker"]
+        self.running = Gauge("relaylm:num_requests_running", "Sequences in the batch", worker_labels, registry=r)
+        self.waiting = Gauge(
+            "relaylm:num_requests_waiting", "Sequences waiting in the engine", worker_labels, registry=r
+        )
+        self.kv_usage = Gauge(
+            "relaylm:kv_cache_usage_perc", "Share of KV slots in use (0-1)", worker_labels, registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "relaylm:prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache (0-1)",
+            worker_labels,
+            registry=r,
+        )
+
+    async def refresh_workers(self, directory: WorkerDirectory) -> None:
+        """Copy the registry into the gauges (workers that died disappear from the labels)."""
+        for gauge in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.prefix_hit_rate,
+            self.queue_depth,
+            self.live_workers,
+        ):
+            gauge.clear()
+        for record in await directory.model_records():
+            workers = await directory.live_workers(record.model)
+            self.live_workers.labels(record.model).set(len(workers))
+            self.queue_depth.labels(record.model).set(await directory.queue_depth(record.model))
+            for worker in workers:
+                labels = (record.model, worker.worker_id)
+                self.running.labels(*labels).set(worker.num_running)
+                self.waiting.labels(*labels).set(worker.num_waiting)
+                self.kv_usage.labels(*labels).set(
+                    worker.num_running / worker.max_num_seqs if worker.max_num_seqs else 0
+                )
+                self.prefix_hit_rate.labels(*labels).set(worker.prefix_cache_hit_rate)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

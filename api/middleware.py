@@ -1,0 +1,144 @@
+"""ASGI middleware that guards every route before FastAPI sees a request: API keys, body size,
+and text hygiene (invalid UTF-8 and lone surrogates are 400s, never 500s downstream)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import error_response
+from shared.errors import ErrorKind, RelayError
+
+_BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every route except the exempt ones (liveness)."""
+
+    def __init__(self, app: ASGIApp, api_keys: Iterable[str], exempt_paths: Iterable[str]) -> None:
+        self.app = app
+        self._keys = [key.encode() for key in api_keys]
+        self._exempt = set(exempt_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._exempt or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        if not self._is_authorized(scope):
+            error = RelayError(ErrorKind.UNAUTHORIZED, "Missing or invalid API key: send Authorization: Bearer <key>.")
+            response = error_response(error)
+            response.headers["www-authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _is_authorized(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        # Compare with every key, always, so timing reveals neither a match nor which key.
+        matches = [hmac.compare_digest(token.strip(), key) for key in self._keys]
+        return any(matches)
+
+
+class BodyGuardMiddleware:
+    """Reads request bodies up to ``max_body_bytes`` (413 beyond), checks JSON bodies for invalid
+    UTF-8 and lone surrogates, then replays the body to the application."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        try:
+            declared = int(headers.get(b"content-length", b"0") or 0)
+            if declared > self.max_body_bytes:
+                raise self._too_large()
+            body, more = await self._read_body(receive)
+            if b"json" in headers.get(b"content-type", b"application/json"):
+                check_json_text(body)
+        except RelayError as error:
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, more, receive), send)
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes, list[Message]]:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(chunks), [message]
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), []
+
+    def _too_large(self) -> RelayError:
+        return RelayError(
+            ErrorKind.PAYLOAD_TOO_LARGE, f"Request body exceeds the limit of {self.max_body_bytes} bytes."
+        )
+
+
+def _replay(body: bytes, pending: list[Message], receive: Receive) -> Receive:
+    """A receive() that yields the buffered body first, then defers to the real one."""
+    queue: list[Message] = [{"type": "http.request", "body": body, "more_body": False}, *pending]
+
+    async def replay() -> Message:
+        return queue.pop(0) if queue else await receive()
+
+    return replay
+
+
+def check_json_text(body: bytes) -> None:
+    """400 for bodies that are not UTF-8 or that smuggle lone surrogates in \\u escapes."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RelayError(ErrorKind.INVALID_REQUEST, f"The request body is not valid UTF-8 (byte {exc.start}).") from exc
+    if "\\u" not in text:
+        return  # lone surrogates can only arrive as \u escapes
+    try:
+        document = json.loads(text)
+    except ValueError:
+        return  # FastAPI reports malformed JSON with its position
+    path = _lone_surrogate_path(document, [])
+    if path is not None:
+        raise RelayError(
+            ErrorKind.INVALID_REQUEST,
+            "Text contains a lone UTF-16 surrogate; send valid Unicode.",
+            ".".join(path) or None,
+        )
+
+
+def _lone_surrogate_path(value: Any, path: list[str]) -> list[str] | None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items: Iterable[tuple[str, Any]] = value.items()
+    elif isinstance(value, list):
+        items = ((str(index), item) for index, item in enumerate(value))
+    else:
+        return None
+    for key, item in items:
+        found = _lone_surrogate_path(key, [*path, str(key)]) if isinstance(key, str) else None
+        found = found or _lone_surrogate_path(item, [*path, str(key)])
+        if found is not None:
+            return found
+    return None

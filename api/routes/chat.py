@@ -1,0 +1,72 @@
+"""``POST /v1/chat/completions``: stream and non-stream go through the same job path."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from api.chat_completion import collect_completion
+from api.chat_render import sse_chunks, sse_response
+from api.job_stream import ClientDisconnected, JobStream
+from api.job_submitter import JobSubmitter, SubmittableRequest
+from api.settings import ApiSettings
+from shared.errors import ErrorKind, RelayError
+from shared.events import ErrorEvent
+from shared.openai.chat_request import ChatCompletionRequest
+from shared.openai.chat_response import ChatCompletion
+from shared.openai.errors import ErrorResponse
+
+router = APIRouter()
+
+CLIENT_CLOSED_REQUEST = 499
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 502, 503)}
+
+
+def check_request_limits(body: ChatCompletionRequest, settings: ApiSettings) -> None:
+    if len(body.messages) > settings.max_messages:
+        message = f"At most {settings.max_messages} messages are allowed."
+        raise RelayError(ErrorKind.INVALID_REQUEST, message, "messages")
+    if body.tools and len(body.tools) > settings.max_tools:
+        raise RelayError(ErrorKind.INVALID_REQUEST, f"At most {settings.max_tools} tools are allowed.", "tools")
+
+
+async def start_stream(submitter: JobSubmitter, body: SubmittableRequest, request: Request) -> JobStream | None:
+    """Submit, then wait for the worker's first word before answering: a rejection (context too
+    long, bad template input) can still be a proper HTTP error instead of a 200 stream. None: the
+    client left while waiting."""
+    state = request.state
+    stream = await submitter.submit(body, state.request_id, request.is_disconnected, state.request_id_is_ours)
+    try:
+        first = await stream.next_event()
+    except ClientDisconnected:
+        await stream.close()
+        return None
+    except BaseException:
+        await stream.close()
+        raise
+    if isinstance(first, ErrorEvent):
+        await stream.close()
+        raise first.to_exception()
+    if body.stream:
+        stream.stop_disconnect_probe()  # sse-starlette owns the connection from here
+    return stream
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES},  # type: ignore[dict-item]
+    summary="Create a chat completion (OpenAI-compatible; SSE when stream=true)",
+)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
+    submitter: JobSubmitter = request.app.state.submitter
+    check_request_limits(body, submitter.settings)
+    stream = await start_stream(submitter, body, request)
+    if stream is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    reasoning_field = submitter.settings.reasoning_field
+    if body.stream:
+        return sse_response(sse_chunks(stream, body.include_usage, reasoning_field), submitter.settings)
+    try:
+        return await collect_completion(stream, reasoning_field)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -1,0 +1,34 @@
+"""``POST /v1/completions``: text completions through the same queue, workers and batching as chat."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from api.chat_render import sse_response
+from api.completion_render import collect_text_completion, sse_completion_chunks
+from api.job_stream import ClientDisconnected
+from api.job_submitter import JobSubmitter
+from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, start_stream
+from shared.openai.completion_request import CompletionRequest
+from shared.openai.completion_response import Completion
+
+router = APIRouter()
+
+
+@router.post(
+    "/v1/completions",
+    response_model=Completion,
+    responses={200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES},  # type: ignore[dict-item]
+    summary="Create a text completion (OpenAI-compatible; SSE when stream=true)",
+)
+async def create_completion(body: CompletionRequest, request: Request) -> Response | Completion:
+    submitter: JobSubmitter = request.app.state.submitter
+    stream = await start_stream(submitter, body, request)
+    if stream is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if body.stream:
+        return sse_response(sse_completion_chunks(stream, body.include_usage), submitter.settings)
+    try:
+        return await collect_text_completion(stream)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -1,0 +1,71 @@
+"""Reconnecting to a stream: ``GET /v1/chat/completions/{id}/stream`` (and ``/v1/completions/…``)
+with the ``Last-Event-ID`` header (or ``?last_event_id=``) replays the events the client missed
+from the job's log, then continues live. Works on any API process, also after the one that took
+the request died. Without an id, the whole stream is replayed."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Header, Request
+from sse_starlette import EventSourceResponse
+
+from api.chat_render import sse_chunks, sse_response
+from api.completion_render import sse_completion_chunks
+from api.job_submitter import JobSubmitter
+from api.routes.chat import ERROR_RESPONSES
+from shared.errors import ErrorKind, RelayError
+from shared.jobs import ChatJob, CompletionJob
+
+router = APIRouter()
+_STREAM_RESPONSES = {200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES}
+
+
+def _last_event_id(header: str | None, query: int | None) -> int | None:
+    if header is None:
+        return query
+    try:
+        return int(header)
+    except ValueError:
+        raise RelayError(ErrorKind.INVALID_REQUEST, "Last-Event-ID must be an event id (an integer).") from None
+
+
+async def _attach(request: Request, job_id: str, last_event_id: int | None, kind: type) -> EventSourceResponse:
+    submitter: JobSubmitter = request.app.state.submitter
+    stream = await submitter.attach(job_id, last_event_id)
+    if not isinstance(stream.job, kind):
+        await stream.close()
+        raise RelayError(ErrorKind.NOT_FOUND, f"No {kind.__name__.removesuffix('Job').lower()} job `{job_id}`.")
+    settings = submitter.settings
+    request_fields = stream.job.request
+    if isinstance(stream.job, ChatJob):
+        chunks = sse_chunks(stream, request_fields.include_usage, settings.reasoning_field, last_event_id is None)
+    else:
+        chunks = sse_completion_chunks(stream, request_fields.include_usage)
+    return sse_response(chunks, settings)
+
+
+@router.get(
+    "/v1/chat/completions/{job_id}/stream",
+    responses=_STREAM_RESPONSES,  # type: ignore[arg-type]
+    summary="Reconnect to a chat completion stream (Last-Event-ID); extension",
+)
+async def resume_chat_stream(
+    job_id: str,
+    request: Request,
+    last_event_id_header: str | None = Header(default=None, alias="Last-Event-ID"),
+    last_event_id: int | None = None,
+) -> EventSourceResponse:
+    return await _attach(request, job_id, _last_event_id(last_event_id_header, last_event_id), ChatJob)
+
+
+@router.get(
+    "/v1/completions/{job_id}/stream",
+    responses=_STREAM_RESPONSES,  # type: ignore[arg-type]
+    summary="Reconnect to a text completion stream (Last-Event-ID); extension",
+)
+async def resume_completion_stream(
+    job_id: str,
+    request: Request,
+    last_event_id_header: str | None = Header(default=None, alias="Last-Event-ID"),
+    last_event_id: int | None = None,
+) -> EventSourceResponse:
+    return await _attach(request, job_id, _last_event_id(last_event_id_header, last_event_id), CompletionJob)

@@ -1,0 +1,60 @@
+"""API settings: flags > RELAYLM_* environment > defaults, read once at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from shared.settings import CommonSettings
+
+
+class ApiSettings(CommonSettings):
+    host: str = Field(default="127.0.0.1", description="Interface to listen on (0.0.0.0 for all).")
+    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port.")
+    liveness_check_interval_s: float = Field(
+        default=1.0, gt=0, description="While a job is silent this long, check that its worker still lives."
+    )
+    no_worker_grace_s: float = Field(
+        default=3.0, ge=0, description="A queued job whose model has no live worker this long fails with 503."
+    )
+    sse_ping_interval_s: float = Field(default=15.0, gt=0, description="SSE keep-alive comment period.")
+    api_keys: str | None = Field(
+        default=None, description="Comma-separated API keys; when any is set, every route but /health needs one."
+    )
+    api_key_file: Path | None = Field(default=None, description="File with one API key per line (# comments allowed).")
+    metrics_public: bool = Field(default=False, description="Serve /metrics without an API key (for scrapers).")
+    cors_allow_origins: str | None = Field(
+        default=None, description="Comma-separated origins allowed by CORS ('*' for any); none: no CORS headers."
+    )
+    max_body_bytes: int = Field(default=16 * 2**20, ge=1024, description="Largest request body; larger gets 413.")
+    max_messages: int = Field(default=2048, ge=1, description="Most messages in one chat request.")
+    max_tools: int = Field(default=128, ge=0, description="Most tools in one chat request.")
+    max_pending_per_model: int = Field(
+        default=1024, ge=1, description="Jobs queued or running per model (all workers); past it, 429 + Retry-After."
+    )
+    retry_after_s: int = Field(default=2, ge=1, description="Retry-After seconds sent with a queue-full 429.")
+    log_prompts: bool = Field(default=False, description="Log each request's messages (off: prompts never reach logs).")
+    reasoning_field: Literal["reasoning_content", "reasoning"] = Field(
+        default="reasoning_content",
+        description="Field for reasoning text; clients differ (DeepSeek-style reasoning_content, vLLM reasoning).",
+    )
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, description="On SIGTERM: how long open streams may finish before they are closed."
+    )
+    log_level: str = Field(default="INFO", description="Python log level.")
+
+    def load_api_keys(self) -> list[str]:
+        """Keys from --api-keys and --api-key-file, read once at start-up."""
+        keys = [key.strip() for key in (self.api_keys or "").split(",") if key.strip()]
+        if self.api_key_file is not None:
+            for line in self.api_key_file.read_text().splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.append(line)
+        return keys
+
+    @property
+    def cors_origins(self) -> list[str]:
+        return [origin.strip() for origin in (self.cors_allow_origins or "").split(",") if origin.strip()]

@@ -1,0 +1,70 @@
+"""Reads the worker registry: which models have live workers, and whether a given worker lives."""
+
+from __future__ import annotations
+
+import time
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from shared.errors import ErrorKind, RelayError
+from shared.redis_keys import MODEL_FORGET_AFTER_S, RedisKeys
+from shared.registry import ModelRecord, WorkerInfo
+
+# A positive answer is reused this long, so a busy API does not read the registry per request.
+_LIVE_CACHE_S = 0.5
+
+
+class WorkerDirectory:
+    def __init__(self, redis: Redis, keys: RedisKeys) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._live_cache: dict[str, float] = {}
+
+    async def live_workers(self, model: str) -> list[WorkerInfo]:
+        ids = sorted(member.decode() for member in await self._redis.smembers(self._keys.model_workers(model)))
+        if not ids:
+            return []
+        records = await self._redis.mget([self._keys.worker(worker_id) for worker_id in ids])
+        dead = [worker_id for worker_id, raw in zip(ids, records, strict=True) if raw is None]
+        if dead:
+            await self._redis.srem(self._keys.model_workers(model), *dead)
+        return [WorkerInfo.model_validate_json(raw) for raw in records if raw is not None]
+
+    async def model_records(self) -> list[ModelRecord]:
+        raw = await self._redis.hgetall(self._keys.models())
+        return [ModelRecord.model_validate_json(value) for value in raw.values()]
+
+    async def queue_depth(self, model: str) -> int:
+        """Jobs queued or running for the model (arq keeps a job in the queue until it ends)."""
+        return int(await self._redis.zcard(self._keys.queue(model)))
+
+    async def is_worker_alive(self, worker_id: str) -> bool:
+        return bool(await self._redis.exists(self._keys.worker(worker_id)))
+
+    async def has_live_worker(self, model: str) -> bool:
+        now = time.monotonic()
+        if self._live_cache.get(model, 0.0) > now:
+            return True
+        workers = await self.live_workers(model)
+        if workers:
+            self._live_cache[model] = now + _LIVE_CACHE_S
+        return bool(workers)
+
+    async def require_live_worker(self, model: str) -> None:
+        """404 for a model never served here, 503 for one whose workers are all gone."""
+        try:
+            if await self.has_live_worker(model):
+                return
+            raw = await self._redis.hget(self._keys.models(), model)
+        except RedisError as exc:
+            raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
+        if raw is None or time.time() - ModelRecord.model_validate_json(raw).last_seen > MODEL_FORGET_AFTER_S:
+            raise RelayError(
+                ErrorKind.MODEL_NOT_FOUND, f"The model `{model}` does not exist or is not served here.", "model"
+            )
+        raise RelayError(
+            ErrorKind.NO_LIVE_WORKER,
+            f"No live worker serves model `{model}` right now; start one or retry later.",
+            "model",
+        )

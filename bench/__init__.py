@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print a table and write JSON (and a plot), reproducible by a user."""

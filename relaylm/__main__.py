@@ -1,0 +1,3 @@
+from relaylm.cli import main
+
+main()

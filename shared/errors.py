@@ -1,0 +1,81 @@
+"""One error table for HTTP responses and stream error events alike.
+
+A failure is named by an :class:`ErrorKind`; the table gives its HTTP status, the OpenAI
+``type`` and the default ``code``. The API turns a :class:`RelayError` into an HTTP error
+body before a stream starts, or into one ``data: {"error": ...}`` event after it started;
+a worker sends the same kind inside an error event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class ErrorKind(StrEnum):
+    INVALID_REQUEST = "invalid_request"
+    UNAUTHORIZED = "unauthorized"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    QUEUE_FULL = "queue_full"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    MODEL_NOT_FOUND = "model_not_found"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    NO_LIVE_WORKER = "no_live_worker"
+    WORKER_LOST = "worker_lost"
+    WORKER_SHUTTING_DOWN = "worker_shutting_down"
+    STREAM_GAP = "stream_gap"
+    REDIS_UNAVAILABLE = "redis_unavailable"
+    INTERNAL = "internal_error"
+
+
+@dataclass(frozen=True)
+class ErrorSpec:
+    status: int
+    type: str
+    code: str | None
+
+
+ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
+    ErrorKind.INVALID_REQUEST: ErrorSpec(400, "invalid_request_error", None),
+    ErrorKind.UNAUTHORIZED: ErrorSpec(401, "authentication_error", "invalid_api_key"),
+    ErrorKind.PAYLOAD_TOO_LARGE: ErrorSpec(413, "invalid_request_error", "payload_too_large"),
+    ErrorKind.QUEUE_FULL: ErrorSpec(429, "rate_limit_error", "queue_full"),
+    ErrorKind.CONTEXT_LENGTH_EXCEEDED: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
+    ErrorKind.MODEL_NOT_FOUND: ErrorSpec(404, "invalid_request_error", "model_not_found"),
+    ErrorKind.NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),
+    ErrorKind.METHOD_NOT_ALLOWED: ErrorSpec(405, "invalid_request_error", "method_not_allowed"),
+    ErrorKind.NO_LIVE_WORKER: ErrorSpec(503, "service_unavailable_error", "no_live_worker"),
+    ErrorKind.WORKER_LOST: ErrorSpec(503, "service_unavailable_error", "worker_lost"),
+    ErrorKind.WORKER_SHUTTING_DOWN: ErrorSpec(503, "service_unavailable_error", "worker_shutting_down"),
+    ErrorKind.STREAM_GAP: ErrorSpec(502, "server_error", "stream_gap"),
+    ErrorKind.REDIS_UNAVAILABLE: ErrorSpec(503, "service_unavailable_error", "redis_unavailable"),
+    ErrorKind.INTERNAL: ErrorSpec(500, "server_error", "internal_error"),
+}
+
+
+class RelayError(Exception):
+    """A failure with a known kind: raised anywhere, rendered once by the API."""
+
+    def __init__(
+        self, kind: ErrorKind, message: str, param: str | None = None, retry_after_s: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    @property
+    def spec(self) -> ErrorSpec:
+        return ERROR_TABLE[self.kind]
+
+    @property
+    def status(self) -> int:
+        return self.spec.status
+
+    def to_body(self) -> dict[str, Any]:
+        """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+        spec = self.spec
+        return {"error": {"message": self.message, "type": spec.type, "param": self.param, "code": spec.code}}

@@ -1,0 +1,56 @@
+"""The job a worker receives: the validated OpenAI request plus what the API decided about it.
+
+The payload is stored under its own Redis key (``RedisKeys.job_request``) and arq carries only
+the job id, so prompts never appear in arq's log lines. It is JSON, not msgpack: tool schemas
+are arbitrary JSON, whose integers may exceed msgpack's 64 bits.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, TypeAdapter
+
+from shared.openai.chat_request import ChatCompletionRequest
+from shared.openai.completion_request import CompletionRequest
+from shared.openai.embeddings import EmbeddingRequest
+
+CHAT_JOB_FUNCTION = "run_chat_job"
+
+
+class _JobFields(BaseModel):
+    def model_post_init(self, context: object) -> None:
+        self.model_fields_set.add("kind")  # the discriminator must survive exclude_unset
+
+    job_id: str = Field(description="Also the response id, e.g. chatcmpl-… or cmpl-….")
+    request_id: str | None = Field(default=None, description="X-Request-Id, for following the job through logs.")
+    created: int = Field(description="Unix seconds, the `created` of every chunk.")
+
+
+class ChatJob(_JobFields):
+    kind: Literal["chat"] = "chat"
+    request: ChatCompletionRequest
+
+
+class CompletionJob(_JobFields):
+    kind: Literal["completion"] = "completion"
+    request: CompletionRequest
+
+
+class EmbeddingJob(_JobFields):
+    kind: Literal["embedding"] = "embedding"
+    request: EmbeddingRequest
+
+
+AnyJob = ChatJob | CompletionJob | EmbeddingJob
+_job_adapter: TypeAdapter[AnyJob] = TypeAdapter(Annotated[AnyJob, Field(discriminator="kind")])
+
+
+def encode_job(job: AnyJob) -> bytes:
+    # exclude_unset keeps an explicit null (e.g. max_tokens) apart from an omitted field.
+    return job.model_dump_json(by_alias=True, exclude_unset=True).encode()
+
+
+def decode_job(payload: bytes) -> AnyJob:
+    """Raises ValueError (pydantic's ValidationError) for anything but a JSON job."""
+    return _job_adapter.validate_json(payload)

@@ -1,0 +1,22 @@
+"""``GET /v1/models`` response."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "relaylm"
+    max_model_len: int | None = Field(default=None, description="Extension: the context length served.")
+    num_live_workers: int = Field(default=0, description="Extension: workers serving this model now.")
+    task: str = Field(default="generate", description="Extension: generate (chat, completions) or embed.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

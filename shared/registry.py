@@ -1,0 +1,38 @@
+"""The worker registry's record formats: workers write them, the API reads them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+WorkerState = Literal["loading", "ready", "draining"]
+WorkerTask = Literal["generate", "embed"]
+
+
+class WorkerInfo(BaseModel):
+    """One worker's heartbeat, stored as JSON under ``RedisKeys.worker`` with a short TTL."""
+
+    worker_id: str
+    model: str
+    task: WorkerTask = "generate"
+    state: WorkerState
+    host: str
+    pid: int
+    started_at: float
+    heartbeat_at: float
+    max_num_seqs: int = 0
+    max_model_len: int = 0
+    num_running: int = Field(default=0, description="Sequences in the running batch.")
+    num_waiting: int = Field(default=0, description="Sequences admitted to the engine but not yet running.")
+    prefix_cache_hit_rate: float = Field(default=0.0, description="Prompt tokens served from the prefix cache.")
+
+
+class ModelRecord(BaseModel):
+    """A model that some worker served; kept after its workers die so the API answers 503, not 404."""
+
+    model: str
+    first_seen: float
+    last_seen: float
+    max_model_len: int = 0
+    task: WorkerTask = "generate"

@@ -1,0 +1,65 @@
+"""Session fixtures: one real Redis, tiny and default models, and a running tiny-model stack."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.models import default_model_dir, tiny_random_llama_dir
+from tests.support.redis_server import start_test_redis
+from tests.support.stack import Stack
+
+TINY_MODEL = "tiny-random"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    handle = start_test_redis()
+    try:
+        yield handle.url
+    finally:
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    return tiny_random_llama_dir()
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+def make_stack(redis_url: str, log_dir: Path) -> Stack:
+    return Stack(redis_url=redis_url, log_dir=log_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_stack(redis_url: str, log_dir: Path, tiny_model_path: Path) -> Iterator[Stack]:
+    """API + one fp32 worker on the tiny random model, shared by tests that do not break it."""
+    stack = make_stack(redis_url, log_dir)
+    try:
+        stack.start_api()
+        stack.start_worker(tiny_model_path, TINY_MODEL, dtype="float32", max_model_len=1024)
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def fresh_stack(redis_url: str, log_dir: Path) -> Iterator[Stack]:
+    """A stack of one's own (API started, no worker yet) for tests that kill or starve processes."""
+    stack = make_stack(redis_url, log_dir)
+    try:
+        stack.start_api()
+        yield stack
+    finally:
+        stack.stop()

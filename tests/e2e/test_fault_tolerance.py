@@ -1,0 +1,278 @@
+"""Workers and API processes fail independently: takeover from the tokens already sent, resumable
+streams, Redis restarts, and draining on SIGTERM — all with real processes and a real Redis."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from relaylm.redis_launcher import find_redis_server, start_redis
+from tests.conftest import make_stack
+from tests.support.stack import Stack, free_port
+
+pytestmark = pytest.mark.slow
+MODEL = "ft-tiny"
+BODY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "tell me everything"}],
+    "temperature": 0,
+    "ignore_eos": True,
+}
+
+
+def _events(response: httpx.Response) -> Iterator[tuple[int | None, str]]:
+    """(SSE id, data) pairs of a streaming response."""
+    event_id: int | None = None
+    for line in response.iter_lines():
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            yield event_id, line[6:]
+            event_id = None
+
+
+def _text(data: list[str]) -> str:
+    chunks = [json.loads(d) for d in data if d != "[DONE]"]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+
+
+def _owner(stack: Stack, job_id: str) -> str | None:
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        owner = client.get(stack.keys.job_owner(job_id))
+    finally:
+        client.close()
+    return owner.decode() if owner else None
+
+
+@pytest.fixture
+def two_workers(redis_url: str, log_dir: Path, tiny_model_path: Path) -> Iterator[Stack]:
+    stack = make_stack(redis_url, log_dir)
+    try:
+        stack.start_api()
+        for _ in range(2):
+            stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=1024)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_a_killed_workers_stream_continues_on_the_other_without_gap_or_repeat(two_workers: Stack) -> None:
+    body = {**BODY, "max_tokens": 700, "stream": True}
+    undisturbed = httpx.post(f"{two_workers.base_url}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+    expected = undisturbed.json()["choices"][0]["message"]["content"]
+    ids, data, killed_at, resumed_at = [], [], 0.0, 0.0
+    with httpx.stream("POST", f"{two_workers.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        for event_id, payload in _events(response):
+            ids.append(event_id)
+            data.append(payload)
+            if len(data) == 5:
+                job_id = json.loads(payload)["id"]
+                owner = _owner(two_workers, job_id)
+                victim = next(
+                    w for i, w in enumerate(two_workers.workers) if owner == f"{two_workers.key_prefix}-worker{i}"
+                )
+                victim.popen.send_signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+            elif killed_at and not resumed_at:
+                resumed_at = time.monotonic()
+    assert data[-1] == "[DONE]"
+    assert not any('"error"' in d[:10] for d in data)
+    seqs = [i for i in ids if i is not None]
+    assert seqs[1:] == list(range(1, len(seqs)))  # role chunk 0, then every event once, in order
+    assert _text(data) == expected
+    assert resumed_at - killed_at < 10.0
+    assert "event=picked" in two_workers.workers[1 - two_workers.workers.index(victim)].log()
+    assert "attempt=2" in "".join(w.log() for w in two_workers.workers)
+
+
+def test_a_resumable_stream_can_be_picked_up_again_with_last_event_id(two_workers: Stack) -> None:
+    body = {**BODY, "max_tokens": 300, "stream": True, "resumable": True}
+    expected = httpx.post(f"{two_workers.base_url}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+    first_part: list[str] = []
+    last_id = 0
+    with httpx.stream("POST", f"{two_workers.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        for event_id, payload in _events(response):
+            first_part.append(payload)
+            last_id = event_id if event_id is not None else last_id
+            if len(first_part) == 4:
+                job_id = json.loads(payload)["id"]
+                break  # the client drops the connection
+    url = f"{two_workers.base_url}/v1/chat/completions/{job_id}/stream"
+    with httpx.stream("GET", url, headers={"Last-Event-ID": str(last_id)}, timeout=60) as response:
+        assert response.status_code == 200
+        rest = list(_events(response))
+    assert rest[0][0] == last_id + 1
+    assert rest[-1][1] == "[DONE]"
+    assert _text(first_part) + _text([d for _, d in rest]) == expected.json()["choices"][0]["message"]["content"]
+    missing = httpx.get(f"{two_workers.base_url}/v1/chat/completions/chatcmpl-nope/stream")
+    assert missing.status_code == 404
+
+
+def test_sigterm_drains_a_worker_and_the_api_lets_open_streams_finish(two_workers: Stack) -> None:
+    body = {**BODY, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{two_workers.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        events = _events(response)
+        _, first = next(events)
+        job_id = json.loads(first)["id"]
+        owner = _owner(two_workers, job_id)
+        worker = next(w for i, w in enumerate(two_workers.workers) if owner == f"{two_workers.key_prefix}-worker{i}")
+        worker.popen.send_signal(signal.SIGTERM)
+        assert two_workers.api is not None
+        two_workers.api.popen.send_signal(signal.SIGTERM)
+        rest = [data for _, data in events]
+    assert rest[-1] == "[DONE]" and not any(d.startswith('{"error"') for d in rest)
+    assert worker.popen.wait(timeout=30) == 0
+    # uvicorn re-raises the signal once it has shut down gracefully, so the status reports SIGTERM.
+    assert two_workers.api.popen.wait(timeout=30) in (0, -signal.SIGTERM)
+    assert "Finished server process" in two_workers.api.log()
+    assert "draining" in worker.log()
+
+
+def test_two_workers_share_the_load(two_workers: Stack) -> None:
+    import asyncio
+
+    from tests.support.sse_load import run_load
+
+    tally = asyncio.run(run_load(two_workers.base_url, {**BODY, "max_tokens": 40, "stream": True}, 16, 30, 1))
+    assert tally.completed_streams == 16
+    picked = [w.log().count("event=picked") for w in two_workers.workers]
+    assert all(count > 0 for count in picked), picked
+
+
+def test_requests_are_routed_by_model(redis_url: str, log_dir: Path, tiny_model_path: Path) -> None:
+    stack = make_stack(redis_url, log_dir)
+    try:
+        stack.start_api()
+        stack.start_worker(tiny_model_path, "model-a", dtype="float32", max_model_len=256)
+        stack.start_worker(tiny_model_path, "model-b", dtype="float32", max_model_len=256)
+        for model, worker in (("model-a", 0), ("model-b", 1)):
+            reply = stack.client().chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
+            assert reply.model == model
+            assert f"job={reply.id}" in stack.workers[worker].log()
+            assert f"job={reply.id}" not in stack.workers[1 - worker].log()
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def own_redis(log_dir: Path) -> Iterator[tuple[str, int, str]]:
+    binary = find_redis_server()
+    assert binary is not None
+    handle = start_redis(binary, port=free_port())
+    try:
+        yield handle.url, int(handle.url.rsplit(":", 1)[1].split("/")[0]), binary
+    finally:
+        handle.stop()
+
+
+def test_a_redis_restart_ends_open_streams_with_an_error_and_everything_reconnects(
+    own_redis: tuple[str, int, str], log_dir: Path, tiny_model_path: Path
+) -> None:
+    url, port, binary = own_redis
+    stack = make_stack(url, log_dir)
+    restarted: subprocess.Popen[bytes] | None = None
+    try:
+        stack.start_api()
+        stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=1024)
+        body = {**BODY, "max_tokens": 900, "stream": True}
+        data: list[str] = []
+        with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+            for _, payload in _events(response):
+                data.append(payload)
+                if len(data) == 3:
+                    redis.Redis.from_url(url).shutdown(nosave=True)
+        assert data[-1] == "[DONE]"
+        assert json.loads(data[-2])["error"]["code"] in ("redis_unavailable", "stream_gap", "worker_lost")
+        started = time.monotonic()
+        down = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**BODY, "max_tokens": 2}, timeout=30)
+        assert down.status_code == 503 and time.monotonic() - started < 5
+        restarted = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            reply = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**BODY, "max_tokens": 2}, timeout=30)
+            if reply.status_code == 200:
+                break
+            time.sleep(0.5)
+        assert reply.status_code == 200, reply.text
+        assert stack.workers[0].is_running()
+    finally:
+        stack.stop()
+        if restarted is not None:
+            restarted.terminate()
+            restarted.wait(timeout=10)
+
+
+def test_when_the_api_dies_the_client_reconnects_through_another_api(two_workers: Stack) -> None:
+    body = {**BODY, "max_tokens": 400, "stream": True}
+    expected = httpx.post(f"{two_workers.base_url}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
+    first_part: list[str] = []
+    last_id = 0
+    assert two_workers.api is not None
+    url = f"{two_workers.base_url}/v1/chat/completions"
+    # The connection dies under the reader.
+    with pytest.raises(httpx.HTTPError), httpx.stream("POST", url, json=body, timeout=60) as response:
+        for event_id, payload in _events(response):
+            first_part.append(payload)
+            last_id = event_id if event_id is not None else last_id
+            if len(first_part) == 4:
+                job_id = json.loads(payload)["id"]
+                two_workers.api.popen.send_signal(signal.SIGKILL)
+    two_workers.api.popen.wait()
+    two_workers.start_api()  # a fresh API process on the same address
+    url = f"{two_workers.base_url}/v1/chat/completions/{job_id}/stream"
+    with httpx.stream("GET", url, headers={"Last-Event-ID": str(last_id)}, timeout=60) as response:
+        rest = [data for _, data in _events(response)]
+    assert rest[-1] == "[DONE]"
+    assert _text(first_part) + _text(rest) == expected.json()["choices"][0]["message"]["content"]
+
+
+def test_a_worker_started_before_redis_waits_for_it_then_serves(log_dir: Path, tiny_model_path: Path) -> None:
+    binary = find_redis_server()
+    assert binary is not None
+    port = free_port()
+    stack = make_stack(f"redis://127.0.0.1:{port}/0", log_dir)
+    handle = None
+    try:
+        worker = stack.start_worker(tiny_model_path, MODEL, wait=False, dtype="float32", max_model_len=256)
+        deadline = time.monotonic() + 30
+        while "does not answer" not in worker.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert worker.is_running() and "does not answer" in worker.log()
+        handle = start_redis(binary, port=port)
+        stack.start_api()
+        stack.wait_ready(worker, MODEL)
+        reply = stack.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    finally:
+        stack.stop()
+        if handle is not None:
+            handle.stop()
+
+
+def test_a_worker_that_redis_refuses_exits_at_once_with_the_reason(
+    own_redis: tuple[str, int, str], log_dir: Path, tiny_model_path: Path
+) -> None:
+    url, port, _ = own_redis
+    admin = redis.Redis.from_url(url)
+    admin.config_set("requirepass", "right-password")
+    admin.close()
+    stack = make_stack(f"redis://:wrong-password@127.0.0.1:{port}/0", log_dir)
+    worker = stack.start_worker(tiny_model_path, MODEL, wait=False, dtype="float32")
+    assert worker.popen.wait(timeout=60) != 0
+    log = worker.log()
+    assert "refused the connection" in log and "wrong-password" not in log
+    assert "Traceback" not in log

@@ -1,0 +1,58 @@
+"""200 concurrent streams, every delta checked by sequence number; then overload past the queue
+limit: only 429s, no 5xx, no hung connection. (The 1,000-stream version is bench/load_test.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_stack
+from tests.support.sse_load import run_load
+from tests.support.stack import Stack
+
+pytestmark = pytest.mark.slow
+MODEL = "load-tiny"
+BODY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "go"}],
+    "max_tokens": 16,
+    "ignore_eos": True,
+    "stream": True,
+}
+
+
+@pytest.fixture(scope="module")
+def load_stack(redis_url: str, log_dir: Path, tiny_model_path: Path) -> Iterator[Stack]:
+    stack = make_stack(redis_url, log_dir)
+    try:
+        stack.start_api(max_pending_per_model=120, log_level="WARNING")
+        stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=128, max_num_seqs=128)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_200_streams_lose_and_repeat_nothing(load_stack: Stack) -> None:
+    # 200 clients, but the queue admits 120 at a time: the rest back off on 429 and come again.
+    tally = asyncio.run(run_load(load_stack.base_url, BODY, num_clients=200, duration_s=20, max_requests_per_client=3))
+    assert tally.completed_streams >= 200
+    assert tally.lost == 0 and tally.duplicated == 0
+    assert tally.deltas >= 200 * 16
+    assert tally.server_errors == 0 and not tally.errors
+    assert set(tally.statuses) <= {200, 429}
+
+
+def test_overload_gets_only_429s_and_nothing_hangs(load_stack: Stack) -> None:
+    tally = asyncio.run(
+        run_load(
+            load_stack.base_url, BODY, num_clients=400, duration_s=30, max_requests_per_client=1, request_timeout_s=30
+        )
+    )
+    assert tally.requests == 400
+    assert tally.statuses[429] > 0
+    assert set(tally.statuses) == {200, 429}
+    assert tally.completed_streams == tally.statuses[200]  # every admitted stream ended with [DONE]
+    assert not tally.errors  # no timeouts, no stream errors

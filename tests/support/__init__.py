@@ -1,0 +1,1 @@
+"""Test support: real Redis servers, tiny models, and API/worker processes on loopback."""

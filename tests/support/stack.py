@@ -1,0 +1,155 @@
+"""Real API and worker processes on loopback, each run as ``python -m relaylm ...``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import redis
+
+from shared.redis_keys import RedisKeys
+from shared.registry import WorkerInfo
+
+_START_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class Process:
+    role: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def is_running(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        return self.popen.returncode
+
+
+@dataclass
+class Stack:
+    """One deployment (its own key prefix) on a shared test Redis."""
+
+    redis_url: str
+    log_dir: Path
+    key_prefix: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
+    api: Process | None = None
+    workers: list[Process] = field(default_factory=list)
+    port: int = 0
+
+    @property
+    def keys(self) -> RedisKeys:
+        return RedisKeys(self.key_prefix)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, **settings: object) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("REDIS_URL", None)
+        env.update({"RELAYLM_REDIS_URL": self.redis_url, "RELAYLM_KEY_PREFIX": self.key_prefix})
+        env.update({f"RELAYLM_{name.upper()}": str(value) for name, value in settings.items()})
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _spawn(self, role: str, name: str, settings: dict[str, object], prefix: tuple[str, ...] = ()) -> Process:
+        log_path = self.log_dir / f"{self.key_prefix}-{name}.log"
+        with log_path.open("wb") as log:
+            popen = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "relaylm", role],
+                env=self.env(**settings),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return Process(role, popen, log_path)
+
+    def start_api(self, **settings: object) -> Process:
+        self.port = self.port or free_port()
+        self.api = self._spawn("api", "api", {"port": self.port, **settings})
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not self.api.is_running():
+                raise RuntimeError(f"API exited:\n{self.api.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return self.api
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"API did not start:\n{self.api.log()}")
+
+    def start_worker(
+        self,
+        model: str | Path,
+        served_model_name: str,
+        wait: bool = True,
+        command_prefix: tuple[str, ...] = (),
+        **settings: object,
+    ) -> Process:
+        """``command_prefix``: e.g. ``("ip", "netns", "exec", "host2")`` to run it on another test host."""
+        name = f"worker{len(self.workers)}"
+        settings = {
+            "model": model,
+            "served_model_name": served_model_name,
+            "worker_id": f"{self.key_prefix}-{name}",
+            **settings,
+        }
+        settings.setdefault("heartbeat_interval_s", 0.5)
+        process = self._spawn("worker", name, settings, command_prefix)
+        self.workers.append(process)
+        if wait:
+            self.wait_ready(process, served_model_name)
+        return process
+
+    def wait_ready(self, process: Process, model: str) -> None:
+        worker_id = f"{self.key_prefix}-worker{self.workers.index(process)}"
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not process.is_running():
+                raise RuntimeError(f"worker exited:\n{process.log()}")
+            info = self.worker_info(worker_id)
+            if info is not None and info.state == "ready":
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"worker did not become ready:\n{process.log()}")
+
+    def worker_info(self, worker_id: str) -> WorkerInfo | None:
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            raw = client.get(self.keys.worker(worker_id))
+        finally:
+            client.close()
+        return WorkerInfo.model_validate_json(raw) if raw else None
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        for process in [*self.workers, *([self.api] if self.api else [])]:
+            process.stop(signal.SIGKILL if not process.is_running() else signal.SIGTERM, timeout_s=15)

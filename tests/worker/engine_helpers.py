@@ -1,0 +1,20 @@
+"""Small builders for engine unit tests."""
+
+from __future__ import annotations
+
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import EngineRequest, Sequence
+
+
+class CharDecoder:
+    """A stand-in tokenizer for tests that never look at text: token id ``i`` decodes to chr(97 + i % 26)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + token_id % 26) for token_id in token_ids)
+
+
+def make_seq(params: SamplingParams | None = None, prompt: list[int] | None = None, request_id: str = "r") -> Sequence:
+    request = EngineRequest(request_id, [prompt or [1, 2, 3]], params or SamplingParams())
+    seq = Sequence(request, 0, request.prompts[0], CharDecoder())
+    request.sequences.append(seq)
+    return seq

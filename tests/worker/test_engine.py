@@ -1,0 +1,255 @@
+"""The batching engine in-process on the tiny random model (fp32): rows joining and leaving give
+the same greedy tokens as running alone; aborts, budgets and failures behave."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared.errors import ErrorKind
+from shared.events import DeltaEvent, EndEvent, ErrorEvent
+from worker.engine.builder import EngineConfig, build_engine
+from worker.engine.engine import LLMEngine, RequestOutput
+from worker.engine.kv_cache import KVCacheLayout
+from worker.engine.prefix_cache import BLOCK_SIZE
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import EngineRequest
+
+MAX_LEN = 256
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: dict[str, list[object]] = {}
+        self.done: set[str] = set()
+
+    def __call__(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self.events.setdefault(output.request_id, []).extend(output.events)
+            if output.is_done:
+                self.done.add(output.request_id)
+
+    def text(self, request_id: str) -> str:
+        return "".join(e.content or "" for e in self.events[request_id] if isinstance(e, DeltaEvent))
+
+    def num_tokens(self, request_id: str) -> int:
+        end = self.events[request_id][-1]
+        assert isinstance(end, EndEvent)
+        return end.usage.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path: Path) -> tuple[torch.nn.Module, object]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def _engine(
+    tiny: tuple[torch.nn.Module, object], *, slots: int = 8, budget: int = 64, prefix_blocks: int = 0
+) -> tuple[LLMEngine, Collector]:
+    model, tokenizer = tiny
+    layout = KVCacheLayout.from_config(model.config, torch.float32, torch.device("cpu"))
+    config = EngineConfig(
+        max_num_seqs=64,
+        max_num_batched_tokens=budget,
+        max_model_len=MAX_LEN,
+        kv_cache_bytes=(slots + 1) * layout.bytes_per_token * MAX_LEN,
+        prefix_cache_bytes=prefix_blocks * layout.bytes_per_token * BLOCK_SIZE,
+    )
+    collector = Collector()
+    engine = build_engine(model, tokenizer, config, frozenset({tokenizer.eos_token_id}), collector)
+    return engine, collector
+
+
+def _prompt(tokenizer: object, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+
+
+def _greedy(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+def _drain(engine: LLMEngine, collector: Collector, request_ids: set[str], max_steps: int = 2000) -> None:
+    for _ in range(max_steps):
+        if request_ids <= collector.done:
+            return
+        engine.run_step()
+    raise AssertionError(f"requests did not finish: {request_ids - collector.done}")
+
+
+PROMPTS = ["short one", "a somewhat longer prompt with more words in it", "x " * 40, "hello"]
+
+
+def _solo_tokens(tiny: tuple[torch.nn.Module, object], prompt: list[int], max_new: int) -> list[int]:
+    model, _ = tiny
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_joining_and_leaving_rows_match_running_alone(tiny: tuple[torch.nn.Module, object]) -> None:
+    engine, collector = _engine(tiny, budget=24)
+    _, tokenizer = tiny
+    prompts = [_prompt(tokenizer, text) for text in PROMPTS]
+    lengths = [30, 7, 19, 12]
+    requests = [EngineRequest(f"r{i}", [p], _greedy(n)) for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    engine.submit(requests[0])
+    engine.run_step()
+    engine.run_step()
+    engine.submit(requests[1])  # joins while r0 decodes
+    engine.run_step()
+    engine.submit(requests[2])
+    engine.submit(requests[3])
+    _drain(engine, collector, {r.request_id for r in requests})
+    for request, prompt, length in zip(requests, prompts, lengths, strict=True):
+        tokens = request.sequences[0].output_token_ids
+        assert tokens == _solo_tokens(tiny, prompt, length), request.request_id
+        assert collector.num_tokens(request.request_id) == length
+    assert engine.num_running == 0
+
+
+def test_abort_removes_a_row_at_the_next_step_and_others_continue(tiny: tuple[torch.nn.Module, object]) -> None:
+    engine, collector = _engine(tiny)
+    _, tokenizer = tiny
+    prompt = _prompt(tokenizer, PROMPTS[1])
+    keep, drop = EngineRequest("keep", [prompt], _greedy(20)), EngineRequest("drop", [prompt], _greedy(200))
+    engine.submit(keep)
+    engine.submit(drop)
+    for _ in range(4):
+        engine.run_step()
+    generated = len(drop.sequences[0].output_token_ids)
+    engine.abort("drop")
+    engine.run_step()
+    assert len(drop.sequences[0].output_token_ids) == generated
+    assert "drop" in collector.done and engine.num_running == 1
+    assert not any(isinstance(e, ErrorEvent) for e in collector.events["drop"])
+    _drain(engine, collector, {"keep"})
+    assert keep.sequences[0].output_token_ids == _solo_tokens(tiny, prompt, 20)
+
+
+def test_abort_with_a_kind_sends_an_error_event(tiny: tuple[torch.nn.Module, object]) -> None:
+    engine, collector = _engine(tiny)
+    engine.submit(EngineRequest("r", [[1, 2, 3]], _greedy(50)))
+    engine.run_step()
+    engine.abort("r", ErrorKind.WORKER_SHUTTING_DOWN, "bye")
+    engine.run_step()
+    last = collector.events["r"][-1]
+    assert isinstance(last, ErrorEvent) and last.kind is ErrorKind.WORKER_SHUTTING_DOWN
+
+
+def test_an_abort_that_arrives_before_its_request_still_applies(tiny: tuple[torch.nn.Module, object]) -> None:
+    engine, collector = _engine(tiny)
+    engine.abort("early")
+    engine.run_step()
+    engine.submit(EngineRequest("early", [[1, 2, 3]], _greedy(50)))
+    engine.run_step()
+    assert "early" in collector.done and engine.num_running == 0
+
+
+def test_the_memory_budget_caps_concurrency(tiny: tuple[torch.nn.Module, object]) -> None:
+    engine, collector = _engine(tiny, slots=3, budget=256)
+    assert engine.max_running == 3
+    ids = {f"r{i}" for i in range(7)}
+    for request_id in sorted(ids):
+        engine.submit(EngineRequest(request_id, [[5, 6, 7, 8]], _greedy(10)))
+    peak = 0
+    while not ids <= collector.done:
+        engine.run_step()
+        peak = max(peak, engine.num_running)
+    assert peak == 3
+
+
+def test_event_sequence_numbers_are_contiguous_per_request(tiny: tuple[torch.nn.Module, object]) -> None:
+    engine, collector = _engine(tiny)
+    engine.submit(EngineRequest("multi", [[1, 2, 3]], _greedy(5), num_choices=3))
+    _drain(engine, collector, {"multi"})
+    events = collector.events["multi"]
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))  # 0 is the job's start event
+    finishes = [e for e in events if isinstance(e, DeltaEvent) and e.finish_reason]
+    assert sorted(e.index for e in finishes) == [0, 1, 2]
+    assert collector.num_tokens("multi") == 15
+
+
+def _wait_done(collector: Collector, request_id: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while request_id not in collector.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_failing_step_fails_every_request_and_the_engine_recovers(
+    tiny: tuple[torch.nn.Module, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, collector = _engine(tiny)
+    engine.submit(EngineRequest("a", [[1, 2, 3]], _greedy(5)))
+    engine.run_step()
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "decode", broken)
+    engine.start()
+    try:
+        _wait_done(collector, "a")
+        last = collector.events["a"][-1]
+        assert isinstance(last, ErrorEvent) and last.kind is ErrorKind.INTERNAL
+        monkeypatch.undo()
+        engine.submit(EngineRequest("b", [[1, 2, 3]], _greedy(3)))
+        _wait_done(collector, "b")
+        assert isinstance(collector.events["b"][-1], EndEvent)
+    finally:
+        engine.stop()
+
+
+SYSTEM = "You are a helpful assistant. Use the tools below when they help. " * 8
+
+
+def test_prefix_cache_gives_the_same_tokens_and_counts_hits(tiny: tuple[torch.nn.Module, object]) -> None:
+    _, tokenizer = tiny
+    prompts = [_prompt(tokenizer, SYSTEM + question) for question in ("What is 2+2?", "Name a colour.", "Hi")]
+    plain, plain_out = _engine(tiny)
+    cached, cached_out = _engine(tiny, prefix_blocks=64)
+    for engine, collector in ((plain, plain_out), (cached, cached_out)):
+        for i, prompt in enumerate(prompts):  # one after another, as an agent's turns arrive
+            engine.submit(EngineRequest(f"r{i}", [prompt], _greedy(8)))
+            _drain(engine, collector, {f"r{i}"})
+    for i in range(len(prompts)):
+        assert _deltas(cached_out, f"r{i}") == _deltas(plain_out, f"r{i}")
+    shared_blocks = len(_prompt(tokenizer, SYSTEM)) // BLOCK_SIZE
+    assert cached.prefix_cache is not None
+    assert cached.prefix_cache.stats.num_hit_tokens >= 2 * shared_blocks * BLOCK_SIZE
+    ends = [cached_out.events[f"r{i}"][-1] for i in range(3)]
+    assert ends[0].usage.cached_tokens == 0  # type: ignore[attr-defined]
+    assert ends[1].usage.cached_tokens >= shared_blocks * BLOCK_SIZE  # type: ignore[attr-defined]
+
+
+def _deltas(collector: Collector, request_id: str) -> list[object]:
+    return [event for event in collector.events[request_id] if isinstance(event, DeltaEvent)]
+
+
+def test_a_finished_turn_is_cached_for_the_next_turn(tiny: tuple[torch.nn.Module, object]) -> None:
+    engine, collector = _engine(tiny, prefix_blocks=64)
+    _, tokenizer = tiny
+    first = _prompt(tokenizer, SYSTEM)
+    turn1 = EngineRequest("turn1", [first], _greedy(40))
+    engine.submit(turn1)
+    _drain(engine, collector, {"turn1"})
+    history = first + turn1.sequences[0].output_token_ids
+    engine.submit(EngineRequest("turn2", [[*history, *_prompt(tokenizer, " and then?")]], _greedy(4)))
+    _drain(engine, collector, {"turn2"})
+    cached = collector.events["turn2"][-1].usage.cached_tokens  # type: ignore[attr-defined]
+    # Every full block of turn 1 whose KV was computed (all but its last sampled token) is reused.
+    assert cached == (len(history) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_the_prefix_cache_evicts_least_recently_used_blocks(tiny: tuple[torch.nn.Module, object]) -> None:
+    engine, collector = _engine(tiny, prefix_blocks=4)
+    for i in range(6):
+        prompt = [100 + i] * (3 * BLOCK_SIZE + 1)
+        engine.submit(EngineRequest(f"r{i}", [prompt], _greedy(1)))
+        _drain(engine, collector, {f"r{i}"})
+    assert engine.prefix_cache is not None
+    assert len(engine.prefix_cache._block_of) == 4

@@ -1,0 +1,87 @@
+"""Messages → chat template → tokens, and request → sampling parameters with context checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from shared.errors import ErrorKind, RelayError
+from shared.openai.chat_request import ChatCompletionRequest
+from worker.params import build_sampling_params
+from worker.prompt import render_prompt, to_template_message
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(default_model_path)
+
+
+def _request(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    )
+
+
+def test_prompt_uses_the_chat_template_with_generation_prompt(tokenizer: PreTrainedTokenizerBase) -> None:
+    request = _request(messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    token_ids, text = render_prompt(tokenizer, request)
+    assert tokenizer.decode(token_ids) == text
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_text_parts_are_joined_with_newlines(tokenizer: PreTrainedTokenizerBase) -> None:
+    request = _request(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    )
+    assert "a\nb" in render_prompt(tokenizer, request)[1]
+
+
+def test_tool_call_arguments_reach_templates_as_a_mapping() -> None:
+    request = _request(
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]
+    )
+    assistant = to_template_message(request.messages[1])
+    assert assistant["content"] == ""
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert to_template_message(request.messages[2]) == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+
+
+def test_default_max_tokens_fills_the_context() -> None:
+    params = build_sampling_params(_request(), num_prompt_tokens=10, max_model_len=100, max_choices=4)
+    assert params.max_new_tokens == 90
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"), [({"max_tokens": 91}, "max_tokens"), ({"max_completion_tokens": 95}, "max_completion_tokens")]
+)
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(RelayError) as raised:
+        build_sampling_params(_request(**fields), num_prompt_tokens=10, max_model_len=100, max_choices=4)
+    assert raised.value.kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED and raised.value.param == param
+
+
+def test_a_prompt_filling_the_context_is_refused() -> None:
+    with pytest.raises(RelayError) as raised:
+        build_sampling_params(_request(), num_prompt_tokens=100, max_model_len=100, max_choices=4)
+    assert raised.value.status == 400
+
+
+def test_sampling_fields_are_carried_over() -> None:
+    request = _request(temperature=0.5, top_p=0.9, top_k=-1, seed=3, stop=["x"], logit_bias={"7": 2.5}, n=2)
+    params = build_sampling_params(request, num_prompt_tokens=1, max_model_len=100, max_choices=4)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.5, 0.9, 0, 3)
+    assert params.stop_strings == ("x",) and params.logit_bias == ((7, 2.5),)
+    with pytest.raises(RelayError):
+        build_sampling_params(_request(n=5), num_prompt_tokens=1, max_model_len=100, max_choices=4)

@@ -1,0 +1,137 @@
+"""Batched sampling: each parameter, seeded determinism and batch invariance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.worker.engine_helpers import make_seq
+from worker.engine.sampler import Sampler, SlotSamplingState
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import Sequence
+
+EOS = 3
+
+
+def _sampler(num_slots: int, vocab_size: int) -> Sampler:
+    return Sampler(SlotSamplingState(num_slots, vocab_size, torch.device("cpu")), frozenset({EOS}))
+
+
+def _place(sampler: Sampler, seqs: list[Sequence]) -> torch.Tensor:
+    for slot, seq in enumerate(seqs):
+        seq.slot = slot
+        sampler.state.assign(slot, seq.params, seq.prompt_token_ids, seq.output_token_ids)
+    return torch.arange(len(seqs))
+
+
+def _frequencies(params: SamplingParams, logits: list[float], draws: int = 4000) -> list[float]:
+    sampler = _sampler(draws, len(logits))
+    seqs = [make_seq(params) for _ in range(draws)]
+    slots = _place(sampler, seqs)
+    tokens = sampler.sample(torch.tensor([logits] * draws), slots, seqs)
+    counts = torch.bincount(tokens, minlength=len(logits)).float()
+    return (counts / draws).tolist()
+
+
+LOGITS = [math.log(p) for p in (0.4, 0.3, 0.2, 0.1)]
+
+
+def test_greedy_takes_the_argmax() -> None:
+    sampler = _sampler(2, 5)
+    seqs = [make_seq(SamplingParams(temperature=0)), make_seq(SamplingParams(temperature=0))]
+    tokens = sampler.sample(torch.tensor([[0.1, 2.0, 0.3, 0, 0], [5.0, 1.0, 0, 0, 0]]), _place(sampler, seqs), seqs)
+    assert tokens.tolist() == [1, 0]
+
+
+def test_temperature_one_follows_the_softmax() -> None:
+    frequencies = _frequencies(SamplingParams(temperature=1.0), LOGITS)
+    for observed, expected in zip(frequencies, (0.4, 0.3, 0.2, 0.1), strict=True):
+        assert observed == pytest.approx(expected, abs=0.03)
+
+
+def test_low_temperature_sharpens() -> None:
+    assert _frequencies(SamplingParams(temperature=0.2), LOGITS)[0] > 0.75
+
+
+def test_top_k_keeps_only_the_k_best() -> None:
+    frequencies = _frequencies(SamplingParams(top_k=2), LOGITS)
+    assert frequencies[2] == frequencies[3] == 0
+    assert frequencies[0] == pytest.approx(0.4 / 0.7, abs=0.03)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    frequencies = _frequencies(SamplingParams(top_p=0.5), LOGITS)
+    assert frequencies[2] == frequencies[3] == 0
+    assert frequencies[1] > 0.3
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best() -> None:
+    frequencies = _frequencies(SamplingParams(min_p=0.5), LOGITS)
+    assert frequencies[3] == 0
+    assert frequencies[2] > 0.1
+
+
+def test_top_p_over_a_flat_vocabulary_uses_the_exact_fallback() -> None:
+    # 1,000 equal tokens: the 256 candidates hold too little mass, so the full sort decides.
+    sampler = _sampler(400, 1000)
+    seqs = [make_seq(SamplingParams(top_p=0.9)) for _ in range(400)]
+    tokens = sampler.sample(torch.zeros(400, 1000), _place(sampler, seqs), seqs)
+    assert len(set(tokens.tolist())) > 256
+    assert max(tokens.tolist()) >= 256
+
+
+def test_presence_and_frequency_penalties_lower_seen_tokens() -> None:
+    sampler = _sampler(1, 4)
+    seq = make_seq(SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.1))
+    slots = _place(sampler, [seq])
+    logits = torch.tensor([[1.0, 1.5, 0.0, 0.0]])
+    assert sampler.sample(logits, slots, [seq]).tolist() == [1]
+    assert sampler.sample(logits, slots, [seq]).tolist() == [0]  # 1.5 - 0.5 - 0.1 < 1.0
+
+
+def test_repetition_penalty_covers_the_prompt() -> None:
+    sampler = _sampler(1, 4)
+    seq = make_seq(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[1])
+    assert sampler.sample(torch.tensor([[1.0, 1.5, 0.0, 0.0]]), _place(sampler, [seq]), [seq]).tolist() == [0]
+
+
+def test_logit_bias_moves_a_token_to_the_top() -> None:
+    sampler = _sampler(2, 4)
+    biased = make_seq(SamplingParams(temperature=0, logit_bias=((2, 100.0),)))
+    plain = make_seq(SamplingParams(temperature=0))
+    tokens = sampler.sample(torch.tensor([[1.0, 1.5, 0.0, 0.0]] * 2), _place(sampler, [biased, plain]), [biased, plain])
+    assert tokens.tolist() == [2, 1]
+
+
+def test_min_tokens_suppresses_eos() -> None:
+    sampler = _sampler(1, 5)
+    seq = make_seq(SamplingParams(temperature=0, min_new_tokens=2))
+    logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 1.0]])
+    assert sampler.sample(logits, _place(sampler, [seq]), [seq]).tolist() == [4]
+    seq.output_token_ids = [4, 4]
+    assert sampler.sample(logits, _place(sampler, [seq]), [seq]).tolist() == [EOS]
+
+
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+
+    def run(batch_size: int, steps: int = 5) -> list[int]:
+        sampler = _sampler(batch_size, 50)
+        seqs = [make_seq(SamplingParams(seed=42, temperature=0.9, top_p=0.95))]
+        seqs += [make_seq(SamplingParams(temperature=1.0)) for _ in range(batch_size - 1)]
+        slots = _place(sampler, seqs)
+        return [int(sampler.sample(logits[:batch_size], slots, seqs)[0]) for _ in range(steps)]
+
+    alone = run(1)
+    assert run(1) == alone
+    assert run(6) == alone
+
+
+def test_mixed_greedy_and_sampled_rows_in_one_batch() -> None:
+    sampler = _sampler(2, 4)
+    seqs = [make_seq(SamplingParams(temperature=0)), make_seq(SamplingParams(temperature=1.0, seed=3))]
+    tokens = sampler.sample(torch.tensor([[0.0, 0.0, 5.0, 0.0]] * 2), _place(sampler, seqs), seqs)
+    assert tokens[0] == 2

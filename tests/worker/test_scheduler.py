@@ -1,0 +1,105 @@
+"""Admission, chunked prefill within the token budget, release and slot compaction."""
+
+from __future__ import annotations
+
+from tests.worker.engine_helpers import make_seq
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, SequenceStatus
+
+
+def _scheduler(
+    num_slots: int = 4, max_num_seqs: int = 8, budget: int = 64
+) -> tuple[Scheduler, list[tuple[int, int, int]]]:
+    moves: list[tuple[int, int, int]] = []
+    scheduler = Scheduler(num_slots, max_num_seqs, budget, lambda src, dst, n: moves.append((src, dst, n)))
+    return scheduler, moves
+
+
+def _seq(prompt_len: int, name: str = "r") -> Sequence:
+    return make_seq(SamplingParams(), prompt=list(range(prompt_len)), request_id=name)
+
+
+def _finish_prefill(scheduler: Scheduler) -> None:
+    for chunk in scheduler.schedule().prefill_chunks:
+        chunk.seq.num_computed_tokens += chunk.length
+        if chunk.completes_prompt:
+            chunk.seq.status = SequenceStatus.DECODING
+
+
+def test_admission_stops_at_the_slot_count() -> None:
+    scheduler, _ = _scheduler(num_slots=2, budget=1000)
+    for i in range(3):
+        scheduler.add(_seq(4, f"r{i}"))
+    step = scheduler.schedule()
+    assert [chunk.seq.request.request_id for chunk in step.prefill_chunks] == ["r0", "r1"]
+    assert scheduler.num_running == 2 and scheduler.num_waiting == 1
+
+
+def test_max_num_seqs_caps_admission_below_the_slot_count() -> None:
+    scheduler, _ = _scheduler(num_slots=8, max_num_seqs=1, budget=1000)
+    scheduler.add(_seq(4, "a"))
+    scheduler.add(_seq(4, "b"))
+    scheduler.schedule()
+    assert scheduler.num_running == 1
+
+
+def test_a_long_prompt_is_chunked_by_the_budget() -> None:
+    scheduler, _ = _scheduler(budget=32)
+    seq = _seq(100)
+    scheduler.add(seq)
+    lengths = []
+    while seq.status is not SequenceStatus.DECODING:
+        step = scheduler.schedule()
+        lengths.append(step.prefill_chunks[0].length)
+        _finish_prefill_step(step)
+    assert lengths == [32, 32, 32, 4]
+
+
+def _finish_prefill_step(step: object) -> None:
+    for chunk in step.prefill_chunks:  # type: ignore[attr-defined]
+        chunk.seq.num_computed_tokens += chunk.length
+        if chunk.completes_prompt:
+            chunk.seq.status = SequenceStatus.DECODING
+
+
+def test_padded_rows_count_against_the_budget() -> None:
+    scheduler, _ = _scheduler(budget=16)
+    scheduler.add(_seq(10, "a"))
+    scheduler.add(_seq(10, "b"))
+    assert len(scheduler.schedule().prefill_chunks) == 1  # two rows of 10 would cost 20 > 16
+
+
+def test_decode_rows_leave_prompts_a_share_of_the_budget() -> None:
+    scheduler, _ = _scheduler(num_slots=8, budget=8)
+    for i in range(7):
+        scheduler.add(_seq(1, f"d{i}"))
+    for _ in range(7):
+        _finish_prefill(scheduler)
+    assert sum(seq.status is SequenceStatus.DECODING for seq in scheduler.running) == 7
+    scheduler.add(_seq(50, "new"))
+    step = scheduler.schedule()
+    assert step.prefill_chunks and step.prefill_chunks[0].length == 2  # budget // 4
+
+
+def test_release_moves_the_last_slot_into_the_hole() -> None:
+    scheduler, moves = _scheduler(budget=1000)
+    seqs = [_seq(3, f"r{i}") for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    _finish_prefill(scheduler)
+    scheduler.release(seqs[0])
+    assert moves == [(2, 0, 3)]
+    assert [seq.slot for seq in scheduler.running] == [0, 1]
+    assert scheduler.running == [seqs[2], seqs[1]]
+    assert seqs[0].status is SequenceStatus.FINISHED and seqs[0].slot is None
+
+
+def test_releasing_a_waiting_sequence_just_drops_it() -> None:
+    scheduler, moves = _scheduler(num_slots=1, budget=1000)
+    first, second = _seq(3, "a"), _seq(3, "b")
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.schedule()
+    scheduler.release(second)
+    assert scheduler.num_waiting == 0 and moves == []

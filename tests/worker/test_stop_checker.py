@@ -1,0 +1,69 @@
+"""Stop strings across arbitrary delta boundaries: never emitted, partial matches held back."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from worker.engine.stop_checker import StopStringChecker
+
+
+def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool, list[str]]:
+    checker = StopStringChecker(stops)
+    emitted: list[str] = []
+    for delta in deltas:
+        emitted.append(checker.push(delta))
+        if checker.is_stopped:
+            return "".join(emitted), True, emitted
+    emitted.append(checker.flush())
+    return "".join(emitted), False, emitted
+
+
+def test_stop_split_across_deltas_is_not_emitted() -> None:
+    text, stopped, pieces = _run(["</end>"], ["Hello </", "en", "d> tail"])
+    assert (text, stopped) == ("Hello ", True)
+    assert pieces[0] == "Hello "  # "</" was held back, not sent
+
+
+def test_partial_match_is_released_when_it_does_not_complete() -> None:
+    text, stopped, pieces = _run(["STOP"], ["a ST", "ay"])
+    assert (text, stopped) == ("a STay", False)
+    assert pieces == ["a ", "STay", ""]
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    assert _run(["xyz", "b"], ["a b xyz"])[:2] == ("a ", True)
+
+
+def test_no_stops_passes_everything_through() -> None:
+    assert _run([], ["a", "b"]) == ("ab", False, ["a", "b", ""])
+
+
+_alphabet = st.sampled_from("ab\n</>é")
+
+
+@given(
+    text=st.text(alphabet=_alphabet, max_size=40),
+    stops=st.lists(st.text(alphabet=_alphabet, min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=8),
+)
+def test_any_split_gives_the_text_before_the_first_stop(text: str, stops: list[str], cuts: list[int]) -> None:
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    deltas = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    emitted, stopped, _ = _run(stops, deltas)
+    matches = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    if matches:
+        # The stop that completes first (then the longer one) decides, as when fed char by char.
+        assert stopped
+        assert emitted == text[: min(matches)[1]]
+    else:
+        assert not stopped
+        assert emitted == text
+    assert not any(s in emitted for s in stops)
+
+
+def test_the_stop_completing_first_wins_over_an_earlier_longer_one() -> None:
+    assert _run(["<", "><<"], ["><<"])[:2] == (">", True)
+    assert _run(["<", "><<"], [">", "<", "<"])[:2] == (">", True)

@@ -1,0 +1,55 @@
+"""The worker's control channels: queue wake-up pings and job cancellations, on one pub/sub
+connection that re-subscribes by itself after a Redis hiccup."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[bytes], None]
+_RETRY_DELAY_S = 0.5
+
+
+class ControlListener:
+    def __init__(self, redis: Redis, handlers: dict[str, Handler]) -> None:
+        self._redis = redis
+        self._handlers = handlers
+        self._task: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="relaylm-control")
+        await self._subscribed.wait()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(*self._handlers)
+                self._subscribed.set()
+                while True:
+                    message = await pubsub.get_message(timeout=None)
+                    if message is not None and message["type"] == "message":
+                        self._dispatch(message["channel"], message["data"])
+            except RedisError as exc:
+                logger.warning("control channel lost (%s); resubscribing", exc)
+                await asyncio.sleep(_RETRY_DELAY_S)
+            finally:
+                await pubsub.aclose()
+
+    def _dispatch(self, channel: bytes | str, data: bytes) -> None:
+        name = channel.decode() if isinstance(channel, bytes) else channel
+        handler = self._handlers.get(name)
+        if handler is not None:
+            handler(data)

@@ -1,0 +1,1 @@
+"""Embedding workers: a sentence-transformers model and a micro-batching engine."""

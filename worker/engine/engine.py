@@ -1,0 +1,310 @@
+"""The engine loop: schedule, run, sample, postprocess, emit — on its own thread.
+
+Jobs (on the asyncio side) ``submit`` requests and ``abort`` them; both only queue a command,
+so the loop owns all state and needs no locks. Each step hands the events it produced to the
+sink in one call, which lets the publisher send a whole step to Redis in one round trip.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shared.errors import ErrorKind
+from shared.events import AnyEvent, EndEvent, ErrorEvent, TokenLogprob, UsageCounts
+from worker.engine.detokenizer import Decoder
+from worker.engine.logprobs import token_logprobs
+from worker.engine.model_runner import ModelRunner
+from worker.engine.output_processor import OutputProcessor
+from worker.engine.prefix_cache import PrefixCache
+from worker.engine.sampler import Sampler, SlotSamplingState
+from worker.engine.scheduler import ScheduledStep, Scheduler
+from worker.engine.sequence import EngineRequest, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+# Aborts that arrive before their request (a client leaving while the job starts) are remembered.
+_MAX_EARLY_ABORTS = 1024
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    events: list[AnyEvent]
+    is_done: bool
+
+
+OutputSink = Callable[[list[RequestOutput]], None]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+    kind: ErrorKind | None
+    message: str
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler_factory: Callable[..., Scheduler],
+        sampling_state: SlotSamplingState,
+        tokenizer: Decoder,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        sink: OutputSink,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        self.runner = runner
+        self.prefix_cache = prefix_cache
+        self.tokenizer = tokenizer
+        self.sampling_state = sampling_state
+        self.sampler = Sampler(sampling_state, eos_token_ids)
+        self.scheduler = scheduler_factory(move_slot=self._move_slot, on_admit=self._on_admit)
+        self.output_processor = OutputProcessor(eos_token_ids, max_model_len)
+        self.max_model_len = max_model_len
+        self._sink = sink
+        self._requests: dict[str, EngineRequest] = {}
+        self._early_aborts: OrderedDict[str, _Abort] = OrderedDict()
+        self._outbox: dict[str, RequestOutput] = {}  # this step's events per request, in order
+        self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)  # for logprobs
+        self._inbox: queue.SimpleQueue[EngineRequest | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- API for jobs (any thread) --------------------------------------------------------------
+    def submit(self, request: EngineRequest) -> None:
+        self._inbox.put(request)
+        self._wake.set()
+
+    def abort(self, request_id: str, kind: ErrorKind | None = None, message: str = "") -> None:
+        """Stop a request; with ``kind`` its stream ends with that error, without it silently."""
+        self._inbox.put(_Abort(request_id, kind, message))
+        self._wake.set()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def load(self) -> tuple[int, int, float]:
+        """Running and waiting sequences, and the prefix-cache hit rate (for the registry)."""
+        hit_rate = self.prefix_cache.stats.hit_rate if self.prefix_cache is not None else 0.0
+        return self.scheduler.num_running, self.scheduler.num_waiting, hit_rate
+
+    @property
+    def max_running(self) -> int:
+        return self.scheduler.max_running
+
+    def start(self) -> None:
+        """Run the loop on a new thread (tests; a worker runs it on the thread that loaded the model)."""
+        self._thread = threading.Thread(target=self.run_forever, name="relaylm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run_forever(self) -> None:
+        """The engine loop; returns after ``stop``."""
+        while not self._stopping.is_set():
+            try:
+                did_work = self.run_step()
+            except Exception:
+                logger.exception("engine step failed; failing every request in the engine")
+                self._fail_all("generation failed inside the worker")
+                continue
+            if not did_work:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+
+    def run_step(self) -> bool:
+        """Apply queued submissions and aborts, run one step, hand its events to the sink.
+
+        Returns False when there was nothing to do."""
+        self._drain_inbox()
+        did_work = self.scheduler.has_work
+        if did_work:
+            self.step()
+        self._flush()
+        return did_work
+
+    def _emit(self, request_id: str, event: AnyEvent | None = None, is_done: bool = False) -> None:
+        output = self._outbox.setdefault(request_id, RequestOutput(request_id, [], False))
+        if event is not None:
+            output.events.append(event)
+        output.is_done = output.is_done or is_done
+
+    def _flush(self) -> None:
+        if self._outbox:
+            outputs, self._outbox = list(self._outbox.values()), {}
+            self._sink(outputs)
+
+    def step(self) -> None:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return
+        logits, seqs = self._run_model(scheduled)
+        if not seqs:
+            return
+        slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.long, device=logits.device)
+        token_ids = self.sampler.sample(logits, slots, seqs).tolist()
+        logprobs = token_logprobs(logits, token_ids, seqs, self._token_text)
+        self._postprocess(seqs, token_ids, logprobs)
+
+    def _run_model(self, scheduled: ScheduledStep) -> tuple[torch.Tensor, list[Sequence]]:
+        """Decode every running row (prefilling rows ride along as padding), then prefill chunks."""
+        parts: list[torch.Tensor] = []
+        seqs: list[Sequence] = []
+        decoding = scheduled.decoding
+        if decoding:
+            running = scheduled.running
+            token_ids = [seq.last_token_id if seq.status is SequenceStatus.DECODING else 0 for seq in running]
+            logits = self.runner.decode(token_ids, [seq.num_computed_tokens for seq in running])
+            if len(decoding) < len(running):
+                logits = logits[[seq.slot for seq in decoding]]
+            parts.append(logits)
+            seqs.extend(decoding)
+            for seq in decoding:
+                seq.num_computed_tokens += 1
+        if scheduled.prefill_chunks:
+            chunks = scheduled.prefill_chunks
+            logits = self.runner.prefill(chunks)
+            completed = [row for row, chunk in enumerate(chunks) if chunk.completes_prompt]
+            for chunk in chunks:
+                chunk.seq.num_computed_tokens += chunk.length
+            for row in completed:
+                seq = chunks[row].seq
+                seq.status = SequenceStatus.DECODING
+                seqs.append(seq)
+                self._remember_prefix(seq)
+            parts.append(logits[completed])
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]), seqs
+
+    def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprob | None]) -> None:
+        for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
+            delta = self.output_processor.process(seq, token_id, logprob)
+            if delta is None:
+                continue
+            request = seq.request
+            self._emit(request.request_id, delta)
+            if seq.finish_reason is not None:
+                self._remember_prefix(seq)
+                self.scheduler.release(seq)
+                request.num_finished += 1
+                if request.is_finished:
+                    self._emit(request.request_id, self._end_event(request), is_done=True)
+                    del self._requests[request.request_id]
+
+    @staticmethod
+    def _end_event(request: EngineRequest) -> EndEvent:
+        usage = UsageCounts(
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_completion_tokens,
+            cached_tokens=request.num_cached_tokens,
+        )
+        return EndEvent(seq=request.take_event_seq(), usage=usage)
+
+    # -- commands -------------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, EngineRequest):
+                self._add_request(command)
+            else:
+                self._abort_request(command)
+
+    def _add_request(self, request: EngineRequest) -> None:
+        self._requests[request.request_id] = request
+        early_abort = self._early_aborts.pop(request.request_id, None)
+        if early_abort is not None:
+            self._abort_request(early_abort)
+            return
+        if request.start_event is not None:
+            self._emit(request.request_id, request.start_event)
+        resume = request.resume
+        if resume is not None:
+            request.next_event_seq = resume.next_event_seq
+        for prompt_index, prompt in enumerate(request.prompts):
+            for choice in range(request.num_choices):
+                seq = Sequence(request, prompt_index * request.num_choices + choice, prompt, self.tokenizer)
+                request.sequences.append(seq)
+                if resume is not None and seq.index in resume.finished_choices:
+                    seq.status = SequenceStatus.FINISHED
+                    request.num_finished += 1
+                    continue
+                if resume is not None:
+                    self._resume_sequence(seq, resume.output_token_ids.get(seq.index, []))
+                self.scheduler.add(seq)
+        if request.is_finished:  # every choice had finished; only the end event was missing
+            self._emit(request.request_id, self._end_event(request), is_done=True)
+            del self._requests[request.request_id]
+
+    def _resume_sequence(self, seq: Sequence, sent_token_ids: list[int]) -> None:
+        """Rebuild the text pipeline from the tokens already sent, prefill them after the prompt,
+        and move a seeded generator past the draws they took, so the rest continues as if
+        nothing had happened."""
+        self.output_processor.replay(seq, sent_token_ids)
+        seq.prefill_token_ids = seq.prompt_token_ids + sent_token_ids
+        if seq.generator is not None and not seq.params.is_greedy:
+            for _ in sent_token_ids:  # one draw per token, exactly as the sampler took them
+                torch.rand(1, generator=seq.generator)
+
+    def _abort_request(self, command: _Abort) -> None:
+        request = self._requests.pop(command.request_id, None)
+        if request is None:
+            self._early_aborts[command.request_id] = command
+            while len(self._early_aborts) > _MAX_EARLY_ABORTS:
+                self._early_aborts.popitem(last=False)
+            return
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.release(seq)
+        error = None
+        if command.kind is not None:
+            error = ErrorEvent(seq=request.take_event_seq(), kind=command.kind, message=command.message)
+        self._emit(request.request_id, error, is_done=True)
+
+    def _fail_all(self, message: str) -> None:
+        for request_id in list(self._requests):
+            self._abort_request(_Abort(request_id, ErrorKind.INTERNAL, message))
+        self._flush()
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # -- slot bookkeeping -----------------------------------------------------------------------
+    def _move_slot(self, src: int, dst: int, length: int) -> None:
+        self.runner.cache.move_slot(src, dst, length)
+        self.sampling_state.move(src, dst)
+
+    def _on_admit(self, seq: Sequence) -> None:
+        assert seq.slot is not None
+        self.sampling_state.assign(seq.slot, seq.params, seq.prompt_token_ids, seq.output_token_ids)
+        if self.prefix_cache is not None:
+            seq.num_cached_tokens = self.prefix_cache.load(seq.prefill_token_ids, self.runner.cache, seq.slot)
+            seq.num_computed_tokens = seq.num_cached_tokens
+
+    def _remember_prefix(self, seq: Sequence) -> None:
+        """Offer a sequence's computed blocks to the prefix cache (prompt done, or finished)."""
+        if self.prefix_cache is not None and seq.slot is not None:
+            tokens = seq.prompt_token_ids + seq.output_token_ids
+            self.prefix_cache.store(tokens, seq.num_computed_tokens, self.runner.cache, seq.slot)

@@ -1,0 +1,109 @@
+"""Slot KV cache: a fixed memory budget split into per-sequence slots of ``max_model_len`` positions.
+
+Why slots rather than paged blocks: attention then reads each layer's keys and values as one
+strided view ``[rows, heads, length, dim]`` with no gather. On CPU, gathering 16-token blocks
+into that shape cost more than the attention itself (see bench/README.md). Running sequences
+are kept in slots ``0..N-1`` (compacted when one leaves), so the decode batch is always a view.
+
+An extra scratch slot absorbs the writes of padding tokens when prefill rows of unequal
+length share one forward pass.
+
+The object also implements the one method transformers' attention layers call on a cache,
+``update(key, value, layer_idx)``; the positions to write come from the step context set by
+``begin_decode`` / ``begin_prefill`` just before the forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def bytes_per_token(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+    @classmethod
+    def from_config(cls, config: object, dtype: torch.dtype, device: torch.device) -> KVCacheLayout:
+        text_config = getattr(config, "get_text_config", lambda: config)()
+        num_heads = text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        return cls(text_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
+
+
+def num_slots_for_budget(layout: KVCacheLayout, max_model_len: int, budget_bytes: int) -> int:
+    """How many full-length slots (plus the scratch slot) fit in the KV memory budget."""
+    slot_bytes = layout.bytes_per_token * max_model_len
+    return max(0, budget_bytes // slot_bytes - 1)
+
+
+class SlotKVCache:
+    def __init__(self, layout: KVCacheLayout, num_slots: int, max_model_len: int) -> None:
+        if num_slots < 1:
+            raise ValueError("the KV cache budget does not fit a single sequence of max_model_len tokens")
+        self.layout = layout
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        self.scratch_slot = num_slots
+        shape = (num_slots + 1, layout.num_kv_heads, max_model_len, layout.head_dim)
+        # zeros, not empty: the memory is really taken at start-up, so the budget is honest.
+        self.keys = [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(layout.num_layers)]
+        self.values = [torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(layout.num_layers)]
+        self._write_slots: torch.Tensor | None = None
+        self._write_positions: torch.Tensor | None = None
+        self._read_rows: torch.Tensor | slice = slice(0, 0)
+        self._kv_len = 0
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * sum(t.numel() * t.element_size() for t in self.keys)
+
+    # -- step context -----------------------------------------------------------------------
+    def begin_decode(self, num_rows: int, positions: torch.Tensor, kv_len: int) -> None:
+        """Rows ``0..num_rows-1`` each write one token at ``positions[row]``."""
+        self._write_slots = torch.arange(num_rows, device=positions.device)[:, None]
+        self._write_positions = positions[:, None]
+        self._read_rows = slice(0, num_rows)
+        self._kv_len = kv_len
+
+    def begin_prefill(
+        self, slots: torch.Tensor, write_slots: torch.Tensor, write_positions: torch.Tensor, kv_len: int
+    ) -> None:
+        """Rows ``slots`` write ``[rows, query_len]`` tokens; padding is pointed at the scratch slot."""
+        self._write_slots = write_slots
+        self._write_positions = write_positions
+        first = int(slots[0])
+        is_contiguous = bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all())
+        self._read_rows = slice(first, first + len(slots)) if is_contiguous else slots
+        self._kv_len = kv_len
+
+    # -- the transformers Cache protocol ------------------------------------------------------
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        # [rows, heads, q, dim] → index [rows, q] picks [rows, q, heads, dim]
+        keys[self._write_slots, :, self._write_positions] = key_states.transpose(1, 2)
+        values[self._write_slots, :, self._write_positions] = value_states.transpose(1, 2)
+        return keys[self._read_rows, :, : self._kv_len], values[self._read_rows, :, : self._kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    # -- slot management --------------------------------------------------------------------
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (compaction)."""
+        for keys, values in zip(self.keys, self.values, strict=True):
+            keys[dst, :, :length] = keys[src, :, :length]
+            values[dst, :, :length] = values[src, :, :length]

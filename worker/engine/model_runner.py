@@ -1,0 +1,81 @@
+"""Tensors in, logits out: one decode forward over the running slots, one prefill forward over
+prompt chunks. Uses the transformers model's own layers with the slot cache and an explicit
+4D mask, so every architecture transformers implements with ``update()``-style caches works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from worker.engine.kv_cache import SlotKVCache
+from worker.engine.scheduler import PrefillChunk
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, cache: SlotKVCache) -> None:
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.cache = cache
+        self.device = cache.layout.device
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size: int = config.vocab_size
+        self._logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Rows ``0..len(token_ids)-1``: one token each at ``positions``; returns [rows, vocab] fp32."""
+        device = self.device
+        position_t = torch.tensor(positions, dtype=torch.long, device=device)
+        kv_len = max(positions) + 1
+        self.cache.begin_decode(len(token_ids), position_t, kv_len)
+        key_positions = torch.arange(kv_len, device=device)
+        mask = (key_positions[None, :] <= position_t[:, None])[:, None, None, :]
+        hidden = self._forward(
+            torch.tensor(token_ids, dtype=torch.long, device=device)[:, None], position_t[:, None], mask
+        )
+        return self._logits(hidden[:, 0])
+
+    @torch.inference_mode()
+    def prefill(self, chunks: Seq[PrefillChunk]) -> torch.Tensor:
+        """Compute prompt chunks into their slots; returns fp32 logits of each row's last chunk token."""
+        device = self.device
+        query_len = max(chunk.length for chunk in chunks)
+        token_rows, lengths = [], []
+        for chunk in chunks:
+            tokens = chunk.seq.prefill_token_ids[chunk.start : chunk.start + chunk.length]
+            token_rows.append(tokens + [0] * (query_len - chunk.length))
+            lengths.append(chunk.length)
+        slots = torch.tensor([chunk.seq.slot for chunk in chunks], dtype=torch.long, device=device)
+        starts = torch.tensor([chunk.start for chunk in chunks], dtype=torch.long, device=device)
+        length_t = torch.tensor(lengths, dtype=torch.long, device=device)
+        offsets = torch.arange(query_len, device=device)[None, :]
+        positions = starts[:, None] + offsets
+        is_padding = offsets >= length_t[:, None]
+        write_slots = torch.where(is_padding, self.cache.scratch_slot, slots[:, None])
+        write_positions = torch.where(is_padding, offsets, positions)
+        kv_len = int((starts + length_t).max())
+        self.cache.begin_prefill(slots, write_slots, write_positions, kv_len)
+        key_positions = torch.arange(kv_len, device=device)
+        mask = (key_positions[None, None, :] <= positions[:, :, None])[:, None]
+        hidden = self._forward(torch.tensor(token_rows, dtype=torch.long, device=device), positions, mask)
+        last = hidden[torch.arange(len(chunks), device=device), length_t - 1]
+        return self._logits(last)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        output = self.decoder(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return output.last_hidden_state
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self._logit_softcap:
+            logits = torch.tanh(logits / self._logit_softcap) * self._logit_softcap
+        return logits

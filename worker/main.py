@@ -1,0 +1,208 @@
+"""Worker process: register, load the model, start the engine, consume the model's arq queue,
+and on SIGTERM/SIGINT drain within ``drain_timeout_s`` before leaving."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+
+from arq.connections import ArqRedis
+from arq.worker import func
+
+from shared import serialization
+from shared.connection import RedisRefused, connect_redis, wait_for_redis
+from shared.errors import ErrorKind
+from shared.jobs import CHAT_JOB_FUNCTION
+from shared.log_setup import configure_logging
+from worker.control import ControlListener
+from worker.embedding.engine import EmbeddingEngine
+from worker.embedding.loader import LoadedEmbedder, is_embedding_model, load_embedder
+from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
+from worker.engine.engine import LLMEngine
+from worker.engine_thread import EngineThread
+from worker.job_handlers import EmbeddingHandler, Engine, GenerationHandler, JobHandler
+from worker.job_runner import JobRunner
+from worker.model_loader import LoadedModel, load_model
+from worker.publisher import EventPublisher
+from worker.queue_consumer import WakeableWorker
+from worker.registry import WorkerRegistration
+from worker.settings import WorkerSettings
+from worker.tooling import resolve_tooling
+
+logger = logging.getLogger("relaylm.worker")
+
+# arq keeps a job's result this long; results stream over pub/sub, this is only for debugging.
+_KEEP_RESULT_S = 60
+_HEALTH_CHECK_INTERVAL_S = 10
+
+
+def make_consumer(settings: WorkerSettings, redis: ArqRedis, runner: JobRunner, max_jobs: int) -> WakeableWorker:
+    async def run_chat_job(ctx: dict[str, object], job_id: str) -> dict[str, object]:
+        return await runner.run(job_id, str(ctx["job_id"]))
+
+    return WakeableWorker(
+        functions=[func(run_chat_job, name=CHAT_JOB_FUNCTION, max_tries=1, timeout=settings.job_timeout_s)],
+        queue_name=settings.keys.queue(settings.model_id),
+        redis_pool=redis,
+        # The engine batches; arq only admits. It may hold exactly as many jobs as the engine runs,
+        # so queued work stays in Redis where another worker can take it.
+        max_jobs=max_jobs,
+        job_timeout=settings.job_timeout_s,
+        keep_result=_KEEP_RESULT_S,
+        poll_delay=settings.poll_delay_s,
+        # A streaming job restarted from token 0 would duplicate what the client already has.
+        max_tries=1,
+        retry_jobs=False,
+        # Cancellation uses our own pub/sub channel (instant, and free of arq's abort-set bug #485).
+        allow_abort_jobs=False,
+        handle_signals=False,
+        health_check_interval=_HEALTH_CHECK_INTERVAL_S,
+        log_results=False,
+        job_serializer=serialization.serialize,
+        job_deserializer=serialization.deserialize,
+    )
+
+
+class WorkerProcess:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.keys = settings.keys
+        self.task = resolve_task(settings)
+        self.redis = connect_redis(settings.redis_url, self.keys.queue(settings.model_id))
+        self.registration = WorkerRegistration(
+            self.redis, self.keys, settings.worker_id, settings.model_id, settings.heartbeat_interval_s, self.task
+        )
+        self.publisher = EventPublisher(settings.redis_url, self.redis, self.keys)
+        if self.task == "embed":
+            self.engine_thread = EngineThread(self._load_embedder, self._build_embedding_engine)
+        else:
+            self.engine_thread = EngineThread(self._load, self._build)
+
+    def _load(self) -> LoadedModel:
+        s = self.settings
+        return load_model(s.model, s.cache_dir, s.device, s.dtype, s.max_model_len)
+
+    def _build(self, loaded: LoadedModel) -> LLMEngine:
+        s = self.settings
+        config = EngineConfig(
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens or default_max_num_batched_tokens(loaded.model.device),
+            max_model_len=loaded.max_model_len,
+            kv_cache_bytes=int(s.kv_cache_memory_gib * 2**30),
+            prefix_cache_bytes=int(s.prefix_cache_memory_gib * 2**30),
+        )
+        return build_engine(loaded.model, loaded.tokenizer, config, loaded.eos_token_ids, self.publisher.sink)
+
+    def _load_embedder(self) -> LoadedEmbedder:
+        return load_embedder(self.settings.model, self.settings.device, self.settings.dtype)
+
+    def _build_embedding_engine(self, embedder: LoadedEmbedder) -> EmbeddingEngine:
+        return EmbeddingEngine(embedder, self.publisher.sink)
+
+    def _handler(self, loaded: LoadedModel | LoadedEmbedder, engine: Engine) -> JobHandler:
+        if isinstance(loaded, LoadedEmbedder):
+            assert isinstance(engine, EmbeddingEngine)
+            return EmbeddingHandler(loaded, engine)
+        assert isinstance(engine, LLMEngine)
+        s = self.settings
+        tooling = resolve_tooling(loaded.tokenizer, s.tool_parser, s.reasoning_parser, s.generic_tool_prompt)
+        logger.info("tool parser: %s, reasoning parser: %s", tooling.tool_parser, tooling.reasoning_parser)
+        return GenerationHandler(loaded, tooling, engine)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = self.settings
+        if not await wait_for_redis(self.redis, s.redis_url, stop):
+            return
+        await self.registration.beat()
+        self.registration.start()
+        logger.info("worker %s registered for model %s (%s); loading", s.worker_id, s.model_id, self.task)
+        loaded, engine = await self.engine_thread.start()
+        consumer: WakeableWorker | None = None
+
+        def wake_consumer() -> None:
+            if consumer is not None:
+                consumer.wake()
+
+        handler = self._handler(loaded, engine)
+        runner = JobRunner(self.redis, self.keys, s.worker_id, s.model_id, handler, self.publisher)
+        consumer = make_consumer(s, self.redis, runner, engine.max_running)
+        listener = ControlListener(
+            self.redis,
+            {
+                self.keys.queue_wake_channel(s.model_id): lambda _data: wake_consumer(),
+                self.keys.cancel_channel(): lambda data: runner.cancel(data.decode()),
+            },
+        )
+        await listener.start()
+        max_len = loaded.max_input_tokens if isinstance(loaded, LoadedEmbedder) else loaded.max_model_len
+        self.registration.set_ready(engine.max_running, max_len, engine.load)
+        await self.registration.beat()
+        consume = asyncio.create_task(consumer.main(), name="relaylm-arq")
+        logger.info(
+            "worker %s ready: model %s (%s, %s), max length %d, max concurrency %d",
+            s.worker_id, s.model_id, self.task, loaded.source, max_len, engine.max_running,
+        )  # fmt: skip
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({consume, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if consume.done() and consume.exception() is not None:
+            logger.error("queue consumer failed: %r", consume.exception())
+        await self._shutdown(engine, consumer, runner, consume, listener)
+
+    async def _shutdown(
+        self,
+        engine: LLMEngine | EmbeddingEngine,
+        consumer: WakeableWorker,
+        runner: JobRunner,
+        consume: asyncio.Task[None],
+        listener: ControlListener,
+    ) -> None:
+        s = self.settings
+        logger.info("worker %s draining (up to %.0f s)", s.worker_id, s.drain_timeout_s)
+        await self.registration.set_state("draining")
+        await _drain(engine, consumer, runner, s.drain_timeout_s)
+        consume.cancel()
+        with contextlib.suppress(BaseException):
+            await consume
+        await listener.stop()
+        await self.registration.stop()
+        engine.stop()
+        self.engine_thread.join(timeout_s=10)
+        self.publisher.close()
+        await self.redis.aclose()
+        logger.info("worker %s stopped", s.worker_id)
+
+
+async def _drain(engine: Engine, consumer: WakeableWorker, runner: JobRunner, timeout_s: float) -> None:
+    consumer.allow_pick_jobs = False
+    deadline = time.monotonic() + timeout_s
+    while consumer.num_jobs_running and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for job_id in list(runner.active_job_ids):
+        engine.abort(job_id, ErrorKind.WORKER_SHUTTING_DOWN, "the worker shut down before the job finished")
+    while consumer.num_jobs_running and time.monotonic() < deadline + 5:
+        await asyncio.sleep(0.05)
+
+
+async def serve(settings: WorkerSettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await WorkerProcess(settings).run(stop)
+    except RedisRefused as exc:
+        raise SystemExit(f"relaylm worker: {exc}") from None
+
+
+def run_worker(settings: WorkerSettings) -> None:
+    configure_logging(settings.log_level, settings.log_format)
+    asyncio.run(serve(settings))
+
+
+def resolve_task(settings: WorkerSettings) -> str:
+    if settings.task != "auto":
+        return settings.task
+    return "embed" if is_embedding_model(settings.model) else "generate"

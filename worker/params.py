@@ -1,0 +1,51 @@
+"""An OpenAI request plus its prompt length → engine sampling parameters, or a 400."""
+
+from __future__ import annotations
+
+from shared.errors import ErrorKind, RelayError
+from shared.openai.chat_request import ChatCompletionRequest
+from shared.openai.completion_request import CompletionRequest
+from worker.engine.sampling_params import SamplingParams
+
+
+def build_sampling_params(
+    request: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int, max_model_len: int, max_choices: int
+) -> SamplingParams:
+    if num_prompt_tokens >= max_model_len:
+        raise RelayError(
+            ErrorKind.CONTEXT_LENGTH_EXCEEDED,
+            f"This model's maximum context length is {max_model_len} tokens, but the messages are "
+            f"{num_prompt_tokens} tokens; reduce the length of the messages.",
+            "messages",
+        )
+    room = max_model_len - num_prompt_tokens
+    requested = request.max_new_tokens
+    if requested is not None and requested > room:
+        param = request.max_new_tokens_param
+        raise RelayError(
+            ErrorKind.CONTEXT_LENGTH_EXCEEDED,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the messages, {requested} "
+            f"in the completion). Please reduce the length of the messages or completion.",
+            param,
+        )
+    if request.n > max_choices:
+        raise RelayError(ErrorKind.INVALID_REQUEST, f"n={request.n} exceeds this worker's batch of {max_choices}", "n")
+    return SamplingParams(
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=max(request.top_k, 0),
+        min_p=request.min_p,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        seed=request.seed,
+        max_new_tokens=requested if requested is not None else room,
+        min_new_tokens=request.min_tokens,
+        stop_strings=tuple(request.stop_sequences),
+        stop_token_ids=frozenset(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=request.skip_special_tokens,
+        logit_bias=tuple((int(token), value) for token, value in (request.logit_bias or {}).items()),
+        logprobs=request.logprob_count,
+    )

@@ -1,0 +1,151 @@
+"""``<tool_call>`` block framing shared by the tool parsers: text outside blocks is content, a block
+that turns out not to be a call goes back into the content verbatim, and a block that is a call is
+read by a per-format ``CallReader``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from shared.events import ToolCallDelta
+from worker.parsers.base import ParsedDelta, ToolParser, new_tool_call_id
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+
+
+def split_at_first_tag(text: str, tags: tuple[str, ...]) -> tuple[str, str, str]:
+    """``(before, tag, after)`` around the first complete tag. Without one, ``tag`` is "" and ``after``
+    is the end of ``text`` that could still grow into a tag: it has to wait for more text."""
+    hits = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
+    if hits:
+        at, tag = min(hits)
+        return text[:at], tag, text[at + len(tag) :]
+    cut = len(text) - _partial_tag_len(text, tags)
+    return text[:cut], "", text[cut:]
+
+
+def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of one of ``tags``."""
+    longest = 0
+    for tag in tags:
+        longest = max(longest, next((n for n in range(len(tag) - 1, longest, -1) if text.endswith(tag[:n])), 0))
+    return longest
+
+
+class CallReader(ABC):
+    """Reads the body of one ``<tool_call>`` block, fed in pieces; never sees the closing tag."""
+
+    def __init__(self, index: int, new_call_id: Callable[[], str]) -> None:
+        self.index = index
+        self._new_call_id = new_call_id
+        self.has_call = False  # the header went out: the block is a call for good
+        self.is_malformed = False  # the block cannot be a call: it goes back into the content
+
+    @abstractmethod
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        """Body text in; the call's header and argument fragments that became certain out."""
+
+    @abstractmethod
+    def close(self) -> list[ToolCallDelta]:
+        """The block ended (closing tag or end of generation): complete the call or give up on it."""
+
+    def _header(self, name: str) -> ToolCallDelta:
+        self.has_call = True
+        return ToolCallDelta(index=self.index, id=self._new_call_id(), name=name, arguments="")
+
+    def _argument_deltas(self, arguments: str) -> list[ToolCallDelta]:
+        return [ToolCallDelta(index=self.index, arguments=arguments)] if arguments else []
+
+
+class ToolCallBlockParser(ToolParser):
+    """Content with ``<tool_call>`` blocks in it; subclasses say how a block's body is read."""
+
+    def __init__(self, tools: list[dict[str, Any]], new_call_id: Callable[[], str] = new_tool_call_id) -> None:
+        super().__init__(tools, new_call_id)
+        self._pending = ""  # text not yet decided on: part of a tag, or blanks at a call boundary
+        self._reader: CallReader | None = None  # the open block's reader; None outside blocks
+        self._block_text = ""  # the open block's body so far, to give back if it is no call
+        self._is_given_back = False  # the open block went back into the content
+        self._num_closed_calls = 0
+        # Blanks before the first call, between calls and after the last are layout, not content.
+        self._is_at_call_boundary = True
+
+    @abstractmethod
+    def _new_reader(self, index: int) -> CallReader: ...
+
+    @property
+    def num_tool_calls(self) -> int:
+        return self._num_closed_calls + int(self._reader is not None and self._reader.has_call)
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._pending += text
+        delta = ParsedDelta()
+        while self._read_block(delta) if self._reader else self._read_content(delta):
+            pass
+        return delta
+
+    def finish(self) -> ParsedDelta:
+        delta = ParsedDelta()
+        held, self._pending = self._pending, ""
+        if self._reader is not None:
+            self._feed_block(held, delta)
+            self._close_block("", delta)
+        elif not (self._is_at_call_boundary and held.isspace()):
+            delta.content += held
+        return delta
+
+    def _read_content(self, delta: ParsedDelta) -> bool:
+        """Content up to the next block; False when the rest has to wait for more text."""
+        if self._is_at_call_boundary and not self._settle_call_boundary():
+            return False
+        text, tag, self._pending = split_at_first_tag(self._pending, (TOOL_CALL_START,))
+        delta.content += text
+        if tag:
+            self._reader = self._new_reader(self.num_tool_calls)
+        return bool(tag)
+
+    def _settle_call_boundary(self) -> bool:
+        """Drop the blanks at a call boundary if a block follows, keep them if text does."""
+        rest = self._pending.lstrip()
+        if rest.startswith(TOOL_CALL_START):
+            self._pending = rest
+        elif TOOL_CALL_START.startswith(rest):
+            return False
+        self._is_at_call_boundary = False
+        return True
+
+    def _read_block(self, delta: ParsedDelta) -> bool:
+        text, tag, self._pending = split_at_first_tag(self._pending, (TOOL_CALL_END,))
+        self._feed_block(text, delta)
+        if tag:
+            self._close_block(tag, delta)
+        return bool(tag)
+
+    def _feed_block(self, text: str, delta: ParsedDelta) -> None:
+        assert self._reader is not None
+        if self._is_given_back:
+            delta.content += text
+            return
+        self._block_text += text
+        delta.tool_calls += self._reader.feed(text)
+        self._give_back_if_malformed(delta)
+
+    def _close_block(self, end_tag: str, delta: ParsedDelta) -> None:
+        assert self._reader is not None
+        if not self._is_given_back:
+            delta.tool_calls += self._reader.close()
+            self._give_back_if_malformed(delta)
+        if self._is_given_back:
+            delta.content += end_tag
+        else:
+            self._num_closed_calls += 1
+            self._is_at_call_boundary = True
+        self._reader, self._block_text, self._is_given_back = None, "", False
+
+    def _give_back_if_malformed(self, delta: ParsedDelta) -> None:
+        """A block that cannot be a call was model text after all: it becomes content, tags included."""
+        if self._reader is not None and self._reader.is_malformed:
+            delta.content += TOOL_CALL_START + self._block_text
+            self._is_given_back = True

@@ -1,0 +1,99 @@
+"""Heartbeats into the worker registry: who serves which model, in what state, with what load."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from shared.redis_keys import MODEL_FORGET_AFTER_S, WORKER_HEARTBEAT_TTL_S, RedisKeys
+from shared.registry import ModelRecord, WorkerInfo, WorkerState, WorkerTask
+
+logger = logging.getLogger(__name__)
+
+LoadProbe = Callable[[], tuple[int, int, float]]
+
+
+class WorkerRegistration:
+    def __init__(
+        self, redis: Redis, keys: RedisKeys, worker_id: str, model: str, interval_s: float, task: WorkerTask
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._interval_s = interval_s
+        self.info = WorkerInfo(
+            worker_id=worker_id,
+            model=model,
+            task=task,
+            state="loading",
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=time.time(),
+            heartbeat_at=time.time(),
+        )
+        self._load_probe: LoadProbe = lambda: (0, 0, 0.0)
+        self._task: asyncio.Task[None] | None = None
+
+    def set_ready(self, max_num_seqs: int, max_model_len: int, load_probe: LoadProbe) -> None:
+        self.info.state = "ready"
+        self.info.max_num_seqs = max_num_seqs
+        self.info.max_model_len = max_model_len
+        self._load_probe = load_probe
+
+    async def set_state(self, state: WorkerState) -> None:
+        self.info.state = state
+        await self.beat()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="relaylm-heartbeat")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self._redis.delete(self._keys.worker(self.info.worker_id))
+            await self._redis.srem(self._keys.model_workers(self.info.model), self.info.worker_id)
+        except RedisError:
+            logger.warning("could not deregister worker %s", self.info.worker_id)
+
+    async def beat(self) -> None:
+        now = time.time()
+        info = self.info
+        info.heartbeat_at = now
+        info.num_running, info.num_waiting, info.prefix_cache_hit_rate = self._load_probe()
+        record = await self._model_record(now)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._keys.worker(info.worker_id), info.model_dump_json(), ex=WORKER_HEARTBEAT_TTL_S)
+            pipe.sadd(self._keys.model_workers(info.model), info.worker_id)
+            pipe.hset(self._keys.models(), info.model, record.model_dump_json())
+            await pipe.execute()
+
+    async def _model_record(self, now: float) -> ModelRecord:
+        raw = await self._redis.hget(self._keys.models(), self.info.model)
+        first_seen = now
+        if raw:
+            previous = ModelRecord.model_validate_json(raw)
+            if now - previous.last_seen < MODEL_FORGET_AFTER_S:
+                first_seen = previous.first_seen
+        return ModelRecord(
+            model=self.info.model,
+            first_seen=first_seen,
+            last_seen=now,
+            max_model_len=self.info.max_model_len,
+            task=self.info.task,
+        )
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except RedisError as exc:
+                logger.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self._interval_s)

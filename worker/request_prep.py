@@ -1,0 +1,80 @@
+"""Everything a worker does to a request before the engine: checks, prompt tokens, parameters."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import replace
+
+from shared.errors import ErrorKind, RelayError
+from shared.openai.chat_request import ChatCompletionRequest
+from shared.openai.completion_request import CompletionRequest
+from worker.engine.sequence import EngineRequest
+from worker.model_loader import LoadedModel
+from worker.params import build_sampling_params
+from worker.prompt import render_prompt
+from worker.structured import TOOL_CALL_FORMATS, ConstraintCompiler, ToolCallFormat, constraint_from_request
+from worker.tooling import ToolingConfig, plan_tooling
+
+
+def prepare_chat(
+    job_id: str,
+    request: ChatCompletionRequest,
+    loaded: LoadedModel,
+    tooling: ToolingConfig,
+    max_choices: int,
+    compiler: Callable[[], ConstraintCompiler] | None = None,
+) -> EngineRequest:
+    """Checks, constraint, chat template, parameters, parsers: a chat request ready for the engine."""
+    constraint = constraint_from_request(request, _tool_call_format(tooling))
+    compiled = None
+    if constraint is not None:
+        if compiler is None:
+            raise RelayError(ErrorKind.INVALID_REQUEST, "constrained decoding is not available", "response_format")
+        _check_constrainable(request)
+        compiled = compiler().compile_constraint(constraint)
+        if tooling.reasoning_parser is not None:
+            # The grammar applies from the first token: a constrained answer skips the thinking block.
+            kwargs = {**(request.chat_template_kwargs or {}), "enable_thinking": False}
+            request = request.model_copy(update={"chat_template_kwargs": kwargs})
+    plan = plan_tooling(tooling, request)
+    prompt_token_ids, prompt_text = render_prompt(loaded.tokenizer, request, plan.template_tools, plan.system_prompt)
+    params = build_sampling_params(request, len(prompt_token_ids), loaded.max_model_len, max_choices)
+    make_pipeline = None
+    if plan.make_pipeline is not None:
+        # Parsers need the markup the tokenizer may call special (e.g. <tool_call> in some vocabularies).
+        params = replace(params, skip_special_tokens=False, stop_strings=params.stop_strings + plan.stop_strings)
+        make_pipeline = functools.partial(plan.make_pipeline, prompt_text)
+    return EngineRequest(
+        job_id, [prompt_token_ids], params, num_choices=request.n, make_pipeline=make_pipeline, constraint=compiled
+    )
+
+
+def _tool_call_format(tooling: ToolingConfig) -> ToolCallFormat | None:
+    return tooling.tool_parser if tooling.tool_parser in TOOL_CALL_FORMATS else None  # type: ignore[return-value]
+
+
+def _check_constrainable(request: ChatCompletionRequest) -> None:
+    """A grammar ends in the stop token; settings that forbid or ignore it cannot be honoured."""
+    for name in ("ignore_eos", "min_tokens"):
+        if getattr(request, name):
+            message = f"{name} cannot be combined with response_format or a forced tool_choice"
+            raise RelayError(ErrorKind.INVALID_REQUEST, message, name)
+
+
+def prepare_completion(job_id: str, request: CompletionRequest, loaded: LoadedModel, max_choices: int) -> EngineRequest:
+    """Text prompts are tokenized as they are (with the tokenizer's special tokens, as vLLM does)."""
+    if request.is_text_prompt:
+        prompts = [loaded.tokenizer.encode(text) for text in request.prompts]
+    else:
+        prompts = [list(ids) for ids in request.prompts]  # type: ignore[arg-type]
+    if any(not prompt for prompt in prompts):
+        raise RelayError(ErrorKind.INVALID_REQUEST, "The prompt is empty once tokenized.", "prompt")
+    vocab_size = loaded.vocab_size
+    out_of_range = next((t for prompt in prompts for t in prompt if not 0 <= t < vocab_size), None)
+    if out_of_range is not None:
+        message = f"Token id {out_of_range} is outside this model's vocabulary [0, {vocab_size})."
+        raise RelayError(ErrorKind.INVALID_REQUEST, message, "prompt")
+    longest = max(len(prompt) for prompt in prompts)
+    params = build_sampling_params(request, longest, loaded.max_model_len, max_choices)
+    return EngineRequest(job_id, prompts, params, num_choices=request.n)

@@ -1,0 +1,82 @@
+"""Worker settings: flags > RELAYLM_* environment > defaults, read once at start-up."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from shared.settings import CommonSettings
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "relaylm"
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class WorkerSettings(CommonSettings):
+    model: str = Field(
+        default=DEFAULT_MODEL,
+        description=f"Model to serve: '{DEFAULT_MODEL}' (bundled GGUF), a local HF folder, or a hub id.",
+    )
+    task: Literal["auto", "generate", "embed"] = Field(
+        default="auto",
+        description="generate (chat, completions) or embed (embeddings); auto: embed for sentence-transformers models.",
+    )
+    served_model_name: str | None = Field(default=None, description="Model id clients send; defaults to --model.")
+    device: str = Field(default="auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="auto: bfloat16 where the hardware has it, else float16 (GPU) / float32 (CPU)."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="Context length served; defaults to the model's maximum."
+    )
+    max_num_seqs: int = Field(default=32, ge=1, description="Most sequences decoded together in one batch.")
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        ge=16,
+        description="Token budget of one engine step (decode rows + prompt chunks); default 256 on CPU, 2048 on GPU.",
+    )
+    kv_cache_memory_gib: float = Field(
+        default=4.0, gt=0, description="Memory reserved for the KV cache; fixes the number of concurrent sequences."
+    )
+    prefix_cache_memory_gib: float = Field(
+        default=1.0, ge=0, description="Memory for cached prompt prefixes (reused KV of repeated prompts); 0 = off."
+    )
+    tool_parser: str = Field(
+        default="auto", description="Tool-call parser: auto (from the chat template), hermes, qwen3_coder or none."
+    )
+    reasoning_parser: str = Field(
+        default="auto", description="Reasoning parser: auto (qwen3 if the template knows <think>), qwen3 or none."
+    )
+    generic_tool_prompt: bool = Field(
+        default=False, description="Offer tools to models whose template has none, with hermes instructions."
+    )
+    cache_dir: Path = Field(
+        default_factory=_default_cache_dir,
+        description="Where converted models are cached ($XDG_CACHE_HOME/relaylm or ~/.cache/relaylm).",
+    )
+    worker_id: str = Field(
+        default_factory=_default_worker_id, description="Unique name in the registry (host-pid-random)."
+    )
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, description="Registry heartbeat period.")
+    poll_delay_s: float = Field(default=0.5, gt=0, description="arq queue poll period when no wake-up ping arrives.")
+    job_timeout_s: int = Field(default=3600, ge=1, description="Longest a single job may run.")
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, description="On SIGTERM: how long running jobs may finish before they are aborted."
+    )
+    log_level: str = Field(default="INFO", description="Python log level.")
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model
