@@ -17,5 +17,6 @@ def run_api(settings: ApiSettings) -> None:
         port=settings.port,
         log_level=settings.log_level.lower(),
         log_config=None,  # keep our handler (text or JSON) for uvicorn's loggers too
+        timeout_keep_alive=int(settings.keep_alive_timeout_s),
         timeout_graceful_shutdown=int(settings.drain_timeout_s) + 5,
     )

@@ -43,6 +43,12 @@ class ApiSettings(CommonSettings):
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="On SIGTERM: how long open streams may finish before they are closed."
     )
+    keep_alive_timeout_s: float = Field(
+        default=75.0,
+        gt=0,
+        description="Idle HTTP keep-alive before the server closes a connection; longer than clients' pools keep "
+        "one (httpx: 5 s), so a reused connection is never closed under a request.",
+    )
     log_level: str = Field(default="INFO", description="Python log level.")
 
     def load_api_keys(self) -> list[str]:

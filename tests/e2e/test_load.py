@@ -4,6 +4,8 @@ limit: only 429s, no 5xx, no hung connection. (The 1,000-stream version is bench
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,3 +58,15 @@ def test_overload_gets_only_429s_and_nothing_hangs(load_stack: Stack) -> None:
     assert set(tally.statuses) == {200, 429}
     assert tally.completed_streams == tally.statuses[200]  # every admitted stream ended with [DONE]
     assert not tally.errors  # no timeouts, no stream errors
+
+
+def test_an_idle_keep_alive_connection_outlives_the_client_pool_expiry(load_stack: Stack) -> None:
+    # httpx (and so the openai client) reuses a pooled connection for up to 5 s; a server that closes
+    # idle ones at the same 5 s races it and resets a request now and then (seen as httpx.ReadError).
+    with socket.create_connection(("127.0.0.1", load_stack.port), timeout=10) as conn:
+        request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{load_stack.port}\r\n\r\n".encode()
+        conn.sendall(request)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(6.0)
+        conn.sendall(request)
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")  # with a 5 s keep-alive: b"" (closed)
