@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint format bench bench-load clean venv
+.PHONY: serve test lint format bench bench-load bench-scaling bench-batch clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -42,6 +42,14 @@ bench: $(BENCH_INSTALLED)
 ## Load test (~3 min): 1,000 streams for 60 s, then overload; bench/results/load.json.
 bench-load: $(BENCH_INSTALLED)
 	$(PY) -m bench.load_test $(ARGS)
+
+## Interactive TTFT while a large batch runs (~3 min): bench/results/batch_priority.json.
+bench-batch: $(BENCH_INSTALLED)
+	$(PY) -m bench.batch_priority_bench $(ARGS)
+
+## Scaling and failover (~3 min): one worker vs two, a new worker taking load, SIGKILL failover.
+bench-scaling: $(BENCH_INSTALLED)
+	$(PY) -m bench.scaling_bench $(ARGS)
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .

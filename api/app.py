@@ -9,13 +9,17 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from api.batch_runner import BatchRunner
+from api.batch_store import BatchStore
+from api.detached_jobs import DetachedJobs
 from api.errors import install_error_handlers
 from api.event_router import EventRouter
+from api.file_store import FileStore
 from api.job_submitter import JobSubmitter
 from api.metrics import Metrics
 from api.middleware import ApiKeyMiddleware, BodyGuardMiddleware
 from api.request_context import RequestContextMiddleware
-from api.routes import chat, completions, embeddings, health, metrics, models, resume
+from api.routes import background, batches, chat, completions, embeddings, files, health, metrics, models, resume
 from api.settings import ApiSettings
 from api.worker_directory import WorkerDirectory
 from shared.connection import connect_redis, redacted
@@ -40,11 +44,19 @@ def create_app(settings: ApiSettings) -> FastAPI:
         app.state.redis = redis
         app.state.directory = directory
         app.state.metrics = app_metrics
-        app.state.submitter = JobSubmitter(redis, keys, router, directory, settings, app_metrics)
+        submitter = app.state.submitter = JobSubmitter(redis, keys, router, directory, settings, app_metrics)
+        files = app.state.files = FileStore(redis, keys, settings.file_retention_s)
+        batches = app.state.batches = BatchStore(redis, keys, settings.result_retention_s)
+        jobs = DetachedJobs(redis, keys, directory, submitter.takeover, settings.reasoning_field)
+        app.state.detached_jobs = jobs
+        runner = BatchRunner(redis, keys, settings, batches, files, jobs, submitter, directory)
+        app.state.batch_runner = runner
+        runner.start()
         logger.info("API ready; Redis at %s", redacted(settings.redis_url))
         try:
             yield
         finally:
+            await runner.stop()
             await router.stop()
             await redis.aclose()
 
@@ -56,7 +68,11 @@ def create_app(settings: ApiSettings) -> FastAPI:
     )
     install_error_handlers(app)
     # Added innermost first: CORS answers preflights, then keys are checked, then bodies are read.
-    app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes)
+    # Uploads may exceed the JSON limit (multipart framing adds a little to the file's own size).
+    file_limit = settings.max_file_bytes + 64 * 1024
+    app.add_middleware(
+        BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes, path_limits={"/v1/files": file_limit}
+    )
     api_keys = settings.load_api_keys()
     if api_keys:
         public = [*PUBLIC_PATHS, *(["/metrics"] if settings.metrics_public else [])]
@@ -74,6 +90,9 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(embeddings.router)
     app.include_router(resume.router)
+    app.include_router(background.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     app.include_router(models.router)
     app.include_router(health.router)
     app.include_router(metrics.router)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from api.chat_render import logprob_entries, to_usage
-from api.job_stream import JobStream
+from api.job_stream import JobEvents
 from shared.errors import ErrorKind, RelayError
 from shared.events import DeltaEvent, EndEvent, ErrorEvent
 from shared.openai.chat_response import (
@@ -63,7 +63,7 @@ class _ChoiceParts:
         return message
 
 
-async def collect_completion(stream: JobStream, reasoning_field: str) -> ChatCompletion:
+async def collect_completion(stream: JobEvents, reasoning_field: str) -> ChatCompletion:
     """Read the whole stream into a ``chat.completion``; an error event raises RelayError."""
     choices = [_ChoiceParts() for _ in range(stream.job.request.n)]
     usage: Usage | None = None

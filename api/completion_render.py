@@ -10,7 +10,7 @@ import anyio
 from sse_starlette.sse import AppStatus
 
 from api.chat_render import DONE, to_usage
-from api.job_stream import JobStream
+from api.job_stream import JobEvents, JobStream
 from shared.errors import ErrorKind, RelayError
 from shared.events import DeltaEvent, EndEvent, ErrorEvent
 from shared.openai.chat_response import Usage
@@ -31,7 +31,7 @@ class _ChoiceState:
 
 
 class CompletionWriter:
-    def __init__(self, stream: JobStream) -> None:
+    def __init__(self, stream: JobEvents) -> None:
         job = stream.job
         request = job.request
         assert isinstance(request, CompletionRequest)
@@ -86,7 +86,7 @@ async def sse_completion_chunks(stream: JobStream, include_usage: bool) -> Async
     yield {"data": DONE}
 
 
-async def collect_text_completion(stream: JobStream) -> Completion:
+async def collect_text_completion(stream: JobEvents) -> Completion:
     writer = CompletionWriter(stream)
     usage: Usage | None = None
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,13 +37,20 @@ def validation_error(exc: RequestValidationError) -> RelayError:
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return RelayError(ErrorKind.INVALID_REQUEST, f"The request body is not valid JSON: {detail}".rstrip(": "))
-    param = _param(tuple(first.get("loc", ())))
+    message, param = validation_message(errors)
+    return RelayError(ErrorKind.INVALID_REQUEST, message, param)
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """Pydantic errors as one message (the first five) and the first one's parameter path."""
+    if not errors:
+        return "invalid request", None
     messages = []
     for error in errors[:5]:
         where = _param(tuple(error.get("loc", ())))
         message = str(error.get("msg", "invalid value"))
         messages.append(f"{where}: {message}" if where else message)
-    return RelayError(ErrorKind.INVALID_REQUEST, "; ".join(messages), param)
+    return "; ".join(messages), _param(tuple(errors[0].get("loc", ())))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -12,7 +12,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from redis.exceptions import RedisError
 
@@ -30,6 +30,39 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DisconnectProbe = Callable[[], Awaitable[bool]]
+
+
+class JobEvents(Protocol):
+    """What the response collectors read: a live :class:`JobStream`, or an :class:`EventReplay`."""
+
+    job: AnyJob
+
+    @property
+    def job_id(self) -> str: ...
+
+    def events(self) -> AsyncIterator[AnyEvent]: ...
+
+    async def close(self) -> None: ...
+
+
+class EventReplay:
+    """A finished job's events read back from its log, for collecting a background job's or a
+    batch line's response with the same code as a live non-stream request."""
+
+    def __init__(self, job: AnyJob, events: list[AnyEvent]) -> None:
+        self.job = job
+        self._events = events
+
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
+    async def events(self) -> AsyncIterator[AnyEvent]:
+        for event in self._events:
+            yield event
+
+    async def close(self) -> None:
+        """Nothing to release: the job is over."""
 
 
 class ClientDisconnected(Exception):

@@ -116,7 +116,21 @@ class JobSubmitter:
             logger.info("job %s prompt: %s", job_id, _prompt_for_log(request))
         return JobStream(self, job, queue, is_disconnected, observer)
 
-    async def _enqueue(self, job: AnyJob) -> None:
+    async def submit_detached(
+        self, job: AnyJob, queue: str | None = None, limit: int | None = None, track: bool = False
+    ) -> None:
+        """Enqueue a job no client streams (a background job, a batch line): its result is
+        collected from its event log. ``queue``: the model's interactive queue unless given;
+        ``track``: add it to the background set that API processes collect results for."""
+        await self._enqueue(job, queue, limit)
+        if track:
+            try:
+                await self.redis.sadd(self.keys.background_jobs(), job.job_id)
+            except RedisError as exc:
+                raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
+        log_transition(logger, "queued", job.job_id, job.request_id, model=job.request.model, detached=True)
+
+    async def _enqueue(self, job: AnyJob, queue: str | None = None, limit: int | None = None) -> None:
         """Write exactly what ``ArqRedis.enqueue_job`` writes (arq's job record under its key prefix,
         the id in the queue's sorted set), plus the request payload, in one script call.
 
@@ -124,6 +138,8 @@ class JobSubmitter:
         trips on the time-to-first-token path and buys nothing here: every job id is unique.
         """
         keys, model, job_id = self.keys, job.request.model, job.job_id
+        queue = queue or keys.queue(model)
+        limit = self.settings.max_pending_per_model if limit is None else limit
         enqueued_ms = timestamp_ms()
         arq_job = serialize_job(CHAT_JOB_FUNCTION, (job_id,), {}, None, enqueued_ms, serializer=serialization.serialize)
         # arq only starts jobs whose score is <= its own clock: a score stamped a millisecond
@@ -132,9 +148,9 @@ class JobSubmitter:
         score = enqueued_ms - _SCORE_BACKDATE_MS
         try:
             accepted = await self._enqueue_if_room(
-                keys=[keys.job_request(job_id), job_key_prefix + job_id, keys.queue(model)],
+                keys=[keys.job_request(job_id), job_key_prefix + job_id, queue],
                 args=[
-                    self.settings.max_pending_per_model, encode_job(job), JOB_REQUEST_TTL_S,
+                    limit, encode_job(job), JOB_REQUEST_TTL_S,
                     arq_expires_extra_ms, arq_job, score, job_id, keys.queue_wake_channel(model),
                 ],
             )  # fmt: skip
@@ -144,7 +160,7 @@ class JobSubmitter:
             self.metrics.request_failure.labels(model, "queue_full").inc()
             raise RelayError(
                 ErrorKind.QUEUE_FULL,
-                f"Model `{model}` has {self.settings.max_pending_per_model} requests queued or running; retry shortly.",
+                f"Model `{model}` has {limit} requests queued or running; retry shortly.",
                 retry_after_s=self.settings.retry_after_s,
             )
 

@@ -42,13 +42,17 @@ class JobTakeover:
         self._keys = keys
         self._script = redis.register_script(_TAKE_OVER)
 
-    async def requeue(self, job_id: str, model: str, dead_worker_id: str, attempt: int) -> int:
+    async def requeue(
+        self, job_id: str, model: str, dead_worker_id: str, attempt: int, queue: str | None = None
+    ) -> int:
+        """``queue``: the model's interactive queue unless given (batch lines go back to theirs)."""
         keys = self._keys
         arq_id = f"{job_id}:r{attempt + 1}"
         now_ms = timestamp_ms()
         record = serialize_job(CHAT_JOB_FUNCTION, (job_id,), {}, None, now_ms, serializer=serialization.serialize)
+        queue = queue or keys.queue(model)
         outcome = await self._script(
-            keys=[keys.job_owner(job_id), keys.queue(model), keys.job_attempts(job_id), keys.job_arq_id(job_id)],
+            keys=[keys.job_owner(job_id), queue, keys.job_attempts(job_id), keys.job_arq_id(job_id)],
             args=[
                 dead_worker_id, JOB_MAX_ATTEMPTS, REQUEUED, arq_id, arq_expires_extra_ms, record,
                 # a taken-over job goes to the front of the queue: its client is already waiting

@@ -50,20 +50,23 @@ class BodyGuardMiddleware:
     """Reads request bodies up to ``max_body_bytes`` (413 beyond), checks JSON bodies for invalid
     UTF-8 and lone surrogates, then replays the body to the application."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, path_limits: dict[str, int] | None = None) -> None:
+        """``path_limits``: larger limits for some paths (file uploads)."""
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self._path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        limit = self._path_limits.get(scope["path"], self.max_body_bytes)
         try:
             declared = int(headers.get(b"content-length", b"0") or 0)
-            if declared > self.max_body_bytes:
-                raise self._too_large()
-            body, more = await self._read_body(receive)
+            if declared > limit:
+                raise self._too_large(limit)
+            body, more = await self._read_body(receive, limit)
             if b"json" in headers.get(b"content-type", b"application/json"):
                 check_json_text(body)
         except RelayError as error:
@@ -71,7 +74,7 @@ class BodyGuardMiddleware:
             return
         await self.app(scope, _replay(body, more, receive), send)
 
-    async def _read_body(self, receive: Receive) -> tuple[bytes, list[Message]]:
+    async def _read_body(self, receive: Receive, limit: int) -> tuple[bytes, list[Message]]:
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -80,16 +83,15 @@ class BodyGuardMiddleware:
                 return b"".join(chunks), [message]
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large()
+            if size > limit:
+                raise self._too_large(limit)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), []
 
-    def _too_large(self) -> RelayError:
-        return RelayError(
-            ErrorKind.PAYLOAD_TOO_LARGE, f"Request body exceeds the limit of {self.max_body_bytes} bytes."
-        )
+    @staticmethod
+    def _too_large(limit: int) -> RelayError:
+        return RelayError(ErrorKind.PAYLOAD_TOO_LARGE, f"Request body exceeds the limit of {limit} bytes.")
 
 
 def _replay(body: bytes, pending: list[Message], receive: Receive) -> Receive:

@@ -43,6 +43,22 @@ class ApiSettings(CommonSettings):
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="On SIGTERM: how long open streams may finish before they are closed."
     )
+    max_file_bytes: int = Field(
+        default=200 * 2**20, ge=1024, description="Largest file upload (/v1/files); files live in Redis memory."
+    )
+    file_retention_s: int = Field(
+        default=30 * 24 * 3600, ge=60, description="Files (batch input, output and error files) expire after this."
+    )
+    result_retention_s: int = Field(
+        default=24 * 3600, ge=60, description="Background jobs' results and finished batches expire after this."
+    )
+    batch_max_requests: int = Field(default=50_000, ge=1, description="Most lines in one batch input file.")
+    batch_concurrency: int = Field(
+        default=256, ge=1, description="Lines of one batch queued or running at once (the rest wait in Redis)."
+    )
+    batch_poll_interval_s: float = Field(
+        default=0.5, gt=0, description="How often an API process advances batches and collects background results."
+    )
     keep_alive_timeout_s: float = Field(
         default=75.0,
         gt=0,

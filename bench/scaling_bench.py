@@ -1,10 +1,12 @@
 """Horizontal scaling and failover on a small random-weight model (a fake, named as such: it
-measures the distribution machinery, not a model). It is 1024 wide and 8 layers deep so that a
-worker's compute, not the API or the load generator sharing the same two cores, limits
-throughput, as with a real model:
+measures the distribution machinery, not a model). It is 512 wide and 8 layers deep: a worker's
+compute, not the API or Redis, limits throughput, as with a real model, and its weights (~300 MB
+in fp32 with the 49k vocabulary) leave room for a second worker:
 
 1. throughput with one worker, then two, each pinned to its own core (``taskset``, one torch
-   thread each);
+   thread each), with the same number of clients per worker (each worker batches as much), and
+   where each process's CPU went (``psutil``): the API, Redis and this load generator run on
+   the same cores as the workers;
 2. how long a newly started worker takes to serve its first job while a backlog waits;
 3. how long streams stay silent when their worker is SIGKILLed with another one alive.
 
@@ -21,6 +23,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import datetime
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import redis
 
 from relaylm.redis_launcher import find_redis_server, start_redis
@@ -44,23 +49,74 @@ BODY = {
     "ignore_eos": True,
     "stream": True,
 }
-CLIENTS = 48
+CLIENTS_PER_WORKER = 48
 DURATION_S = 20.0
 
 
 def _start_worker(stack: Stack, core: int, wait: bool = True) -> Process:
     pin = ("taskset", "-c", str(core)) if shutil.which("taskset") and (os.cpu_count() or 1) > core else ()
     return stack.start_worker(
-        tiny_random_llama_dir(hidden_size=1024, num_layers=8), MODEL, wait=wait, command_prefix=pin, dtype="float32",
+        tiny_random_llama_dir(hidden_size=512, num_layers=8), MODEL, wait=wait, command_prefix=pin, dtype="float32",
         max_model_len=1024, max_num_seqs=64, log_level="INFO",
     )  # fmt: skip
 
 
-def _throughput(stack: Stack) -> float:
+_MATMUL_PROBE = """
+import time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(512, 512), torch.randn(512, 2048)
+start, n = time.perf_counter(), 0
+while time.perf_counter() - start < 5:
+    a @ b
+    n += 1
+print(n)
+"""
+
+
+def _core_scaling() -> float | None:
+    """What the machine itself gives: matmuls per second on two pinned cores at once over one
+    core alone (shared caches, memory bandwidth or a noisy neighbour put it below 2)."""
+    if not shutil.which("taskset") or (os.cpu_count() or 1) < 2:
+        return None
+
+    def probe(core: int) -> subprocess.Popen[bytes]:
+        command = ["taskset", "-c", str(core), sys.executable, "-c", _MATMUL_PROBE]
+        return subprocess.Popen(command, stdout=subprocess.PIPE)
+
+    solo = int(probe(0).communicate()[0])
+    pair = [probe(0), probe(1)]
+    return sum(int(p.communicate()[0]) for p in pair) / solo
+
+
+def _cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
+    return {role: sum(p.cpu_times()[:2]) for role, p in processes.items()}
+
+
+def _throughput(stack: Stack, redis_pid: int | None) -> dict[str, Any]:
+    """Deltas per second with ``CLIENTS_PER_WORKER`` clients per worker, and each process's CPU."""
+    processes = {"load generator": psutil.Process()}
+    assert stack.api is not None
+    processes["api"] = psutil.Process(stack.api.popen.pid)
+    if redis_pid is not None:
+        processes["redis"] = psutil.Process(redis_pid)
+    for i, worker in enumerate(stack.workers):
+        processes[f"worker{i}"] = psutil.Process(worker.popen.pid)
+    clients = CLIENTS_PER_WORKER * len(stack.workers)
+    cpu_before = _cpu_seconds(processes)
     started = time.monotonic()
-    tally = asyncio.run(run_load(stack.base_url, BODY, CLIENTS, DURATION_S))
-    assert tally.lost == tally.duplicated == tally.server_errors == 0, tally
-    return tally.deltas / (time.monotonic() - started)
+    tally = asyncio.run(run_load(stack.base_url, BODY, clients, DURATION_S))
+    wall = time.monotonic() - started
+    cpu_after = _cpu_seconds(processes)
+    assert tally.lost == tally.duplicated == tally.server_errors == 0 and not tally.errors, tally
+    cores = {role: (cpu_after[role] - cpu_before[role]) / wall for role in processes}
+    worker_cores = sum(c for role, c in cores.items() if role.startswith("worker"))
+    deltas_per_s = tally.deltas / wall
+    return {
+        "clients": clients,
+        "deltas_per_s": deltas_per_s,
+        "cores_used": cores,
+        "worker_cpu_ms_per_delta": 1000 * worker_cores / deltas_per_s,
+    }
 
 
 def _first_pick_after(process: Process, started_wall: float) -> float | None:
@@ -124,14 +180,24 @@ def main() -> None:
     redis_handle = start_redis(binary)
     stack = Stack(redis_url=redis_handle.url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-scaling-")))
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the workers: one core, one thread each
-    report: dict[str, Any] = {"command": "python -m bench.scaling_bench", "clients": CLIENTS, "duration_s": DURATION_S}
+    report: dict[str, Any] = {
+        "command": "python -m bench.scaling_bench",
+        "model": "random-weight llama, hidden 512, 8 layers, fp32",
+        "clients_per_worker": CLIENTS_PER_WORKER,
+        "duration_s": DURATION_S,
+        "cpu_count": os.cpu_count(),
+    }
+    report["machine_two_core_scaling"] = _core_scaling()
+    redis_pid = redis_handle.process.pid if redis_handle.process is not None else None
     try:
         stack.start_api(log_level="WARNING")
         _start_worker(stack, core=0)
-        report["one_worker_deltas_per_s"] = _throughput(stack)
+        one = report["one_worker"] = _throughput(stack, redis_pid)
         _start_worker(stack, core=1)
-        report["two_workers_deltas_per_s"] = _throughput(stack)
-        report["throughput_ratio"] = report["two_workers_deltas_per_s"] / report["one_worker_deltas_per_s"]
+        two = report["two_workers"] = _throughput(stack, redis_pid)
+        report["throughput_ratio"] = two["deltas_per_s"] / one["deltas_per_s"]
+        # CPU a worker spends per delta, one worker over two: 1.0 means adding a worker costs nothing.
+        report["per_worker_efficiency"] = one["worker_cpu_ms_per_delta"] / two["worker_cpu_ms_per_delta"]
         stack.workers[1].stop()
         report["new_worker_first_job_s"] = _time_to_take_load(stack)
         report["failover_silence_s"] = _failover_silence(stack)
@@ -147,13 +213,21 @@ def render(report: dict[str, Any]) -> str:
     def fmt(value: float | None, unit: str) -> str:
         return "—" if value is None else f"{value:.2f}{unit}"
 
+    def split(run: dict[str, Any]) -> str:
+        return ", ".join(f"{role} {cores:.2f}" for role, cores in run["cores_used"].items())
+
+    one, two = report["one_worker"], report["two_workers"]
     return "\n".join(
         [
             "| measure | value | goal |",
             "|---|---:|---:|",
-            f"| deltas/s, one worker (one core) | {report['one_worker_deltas_per_s']:.0f} | |",
-            f"| deltas/s, two workers (a core each) | {report['two_workers_deltas_per_s']:.0f} | |",
+            f"| deltas/s, one worker (one core, {one['clients']} clients) | {one['deltas_per_s']:.0f} | |",
+            f"| deltas/s, two workers (a core each, {two['clients']} clients) | {two['deltas_per_s']:.0f} | |",
             f"| throughput ratio | {fmt(report['throughput_ratio'], '×')} | ≥ 1.8× |",
+            f"| the machine's two-core scaling (matmuls) | {fmt(report['machine_two_core_scaling'], '×')} | |",
+            f"| worker CPU per delta, one worker ÷ two | {fmt(report['per_worker_efficiency'], '×')} | |",
+            f"| cores used, one worker | {split(one)} | |",
+            f"| cores used, two workers | {split(two)} | |",
             f"| new worker: launch to first job | {fmt(report['new_worker_first_job_s'], ' s')} | ≤ 5 s |",
             f"| SIGKILL to the stream moving again | {fmt(report['failover_silence_s'], ' s')} | ≤ 10 s |",
         ]

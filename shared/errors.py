@@ -22,6 +22,7 @@ class ErrorKind(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    CONFLICT = "conflict"
     NO_LIVE_WORKER = "no_live_worker"
     WORKER_LOST = "worker_lost"
     WORKER_SHUTTING_DOWN = "worker_shutting_down"
@@ -46,6 +47,7 @@ ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
     ErrorKind.MODEL_NOT_FOUND: ErrorSpec(404, "invalid_request_error", "model_not_found"),
     ErrorKind.NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),
     ErrorKind.METHOD_NOT_ALLOWED: ErrorSpec(405, "invalid_request_error", "method_not_allowed"),
+    ErrorKind.CONFLICT: ErrorSpec(409, "invalid_request_error", "conflict"),
     ErrorKind.NO_LIVE_WORKER: ErrorSpec(503, "service_unavailable_error", "no_live_worker"),
     ErrorKind.WORKER_LOST: ErrorSpec(503, "service_unavailable_error", "worker_lost"),
     ErrorKind.WORKER_SHUTTING_DOWN: ErrorSpec(503, "service_unavailable_error", "worker_shutting_down"),

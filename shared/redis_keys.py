@@ -34,6 +34,10 @@ class RedisKeys:
         """arq queue (sorted set) of chat jobs for one model: workers only take their model's jobs."""
         return f"{self.prefix}:queue:{model}"
 
+    def batch_queue(self, model: str) -> str:
+        """arq queue of batch lines for one model: workers take them only with capacity to spare."""
+        return f"{self.prefix}:queue:{model}:batch"
+
     def queue_wake_channel(self, model: str) -> str:
         """Pub/sub channel the API pings after enqueueing, so idle workers pick up at once."""
         return f"{self.prefix}:queue:{model}:wake"
@@ -70,6 +74,70 @@ class RedisKeys:
     def cancel_channel(self) -> str:
         """Pub/sub channel every worker listens on for running jobs to abort."""
         return f"{self.prefix}:cancel"
+
+    def job_result(self, job_id: str) -> str:
+        """A finished background job's response body (JSON), kept for the retention period."""
+        return f"{self.prefix}:job:{job_id}:result"
+
+    def background_jobs(self) -> str:
+        """Set of background job ids still running: API processes collect their results."""
+        return f"{self.prefix}:background"
+
+    # -- files and batches ----------------------------------------------------------------------
+    def file_meta(self, file_id: str) -> str:
+        """A file's FileObject (JSON), expiring with the file."""
+        return f"{self.prefix}:file:{file_id}:meta"
+
+    def file_content(self, file_id: str) -> str:
+        """A file's bytes, expiring with the file."""
+        return f"{self.prefix}:file:{file_id}:content"
+
+    def files(self) -> str:
+        """Sorted set of file ids by creation time (expired ones are pruned by readers)."""
+        return f"{self.prefix}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """A batch's Batch object (JSON): the source of truth for its status and counts."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batches(self) -> str:
+        """Sorted set of batch ids by creation time."""
+        return f"{self.prefix}:batches"
+
+    def active_batches(self) -> str:
+        """Set of batches not yet in a final status: API processes advance them."""
+        return f"{self.prefix}:batches:active"
+
+    def batch_lock(self, batch_id: str) -> str:
+        """Held by the one API process advancing the batch right now."""
+        return f"{self.prefix}:batch:{batch_id}:lock"
+
+    def batch_requests(self, batch_id: str) -> str:
+        """Hash line number → the line's validated request (JSON)."""
+        return f"{self.prefix}:batch:{batch_id}:requests"
+
+    def batch_pending(self, batch_id: str) -> str:
+        """List of line numbers not yet enqueued."""
+        return f"{self.prefix}:batch:{batch_id}:pending"
+
+    def batch_running(self, batch_id: str) -> str:
+        """Hash line number → job id of lines enqueued and not yet collected."""
+        return f"{self.prefix}:batch:{batch_id}:running"
+
+    def batch_outputs(self, batch_id: str) -> str:
+        """Hash line number → output line (JSON) of lines that succeeded."""
+        return f"{self.prefix}:batch:{batch_id}:outputs"
+
+    def batch_errors(self, batch_id: str) -> str:
+        """Hash line number → error line (JSON) of lines that failed."""
+        return f"{self.prefix}:batch:{batch_id}:errors"
+
+    def batch_keys(self, batch_id: str) -> list[str]:
+        """Every key of a batch's working state (expired together once the batch is final)."""
+        return [
+            self.batch_requests(batch_id), self.batch_pending(batch_id), self.batch_running(batch_id),
+            self.batch_outputs(batch_id), self.batch_errors(batch_id),
+        ]  # fmt: skip
 
     # -- registry ---------------------------------------------------------------------------
     def worker(self, worker_id: str) -> str:

@@ -21,6 +21,7 @@ from worker.tooling import ToolingConfig
 
 class Work(Protocol):
     start_event: StartEvent | None
+    priority: int
 
     @property
     def num_prompt_tokens(self) -> int: ...
@@ -32,6 +33,9 @@ class Engine(Protocol):
     def submit(self, work: EngineRequest | EmbeddingWork) -> None: ...
 
     def abort(self, request_id: str, *args: object) -> None: ...
+
+    @property
+    def num_waiting(self) -> int: ...
 
 
 class JobHandler(Protocol):

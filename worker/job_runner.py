@@ -45,10 +45,11 @@ class JobRunner:
         self.active_job_ids: set[str] = set()
         self._request_ids: dict[str, str | None] = {}
 
-    async def run(self, job_id: str, arq_job_id: str) -> dict[str, Any]:
+    async def run(self, job_id: str, arq_job_id: str, priority: int = 0) -> dict[str, Any]:
+        """``priority``: 0 for the interactive queue's jobs, 1 for batch lines."""
         self.active_job_ids.add(job_id)
         try:
-            return await self._run(job_id, arq_job_id)
+            return await self._run(job_id, arq_job_id, priority)
         finally:
             self.active_job_ids.discard(job_id)
             self._request_ids.pop(job_id, None)
@@ -59,7 +60,7 @@ class JobRunner:
             log_transition(logger, "cancelled", job_id, self._request_ids.get(job_id), by="client")
             self._engine.abort(job_id)
 
-    async def _run(self, job_id: str, arq_job_id: str) -> dict[str, Any]:
+    async def _run(self, job_id: str, arq_job_id: str, priority: int) -> dict[str, Any]:
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.get(self._keys.job_request(job_id))
             pipe.exists(self._keys.job_cancelled(job_id))
@@ -91,6 +92,7 @@ class JobRunner:
             await self._publisher.publish(RequestOutput(job_id, [error], True))
             await done
             return {"status": "rejected", "kind": exc.kind.value}
+        work.priority = priority
         if resume is None:
             work.start_event = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=work.num_prompt_tokens)
         self._engine.submit(work)  # type: ignore[arg-type]

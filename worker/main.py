@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 from arq.connections import ArqRedis
 from arq.worker import func
@@ -39,13 +40,22 @@ _KEEP_RESULT_S = 60
 _HEALTH_CHECK_INTERVAL_S = 10
 
 
-def make_consumer(settings: WorkerSettings, redis: ArqRedis, runner: JobRunner, max_jobs: int) -> WakeableWorker:
+def make_consumer(
+    settings: WorkerSettings,
+    redis: ArqRedis,
+    runner: JobRunner,
+    max_jobs: int,
+    queue_name: str,
+    priority: int = 0,
+    pick_gate: Callable[[], bool] | None = None,
+) -> WakeableWorker:
     async def run_chat_job(ctx: dict[str, object], job_id: str) -> dict[str, object]:
-        return await runner.run(job_id, str(ctx["job_id"]))
+        return await runner.run(job_id, str(ctx["job_id"]), priority)
 
     return WakeableWorker(
         functions=[func(run_chat_job, name=CHAT_JOB_FUNCTION, max_tries=1, timeout=settings.job_timeout_s)],
-        queue_name=settings.keys.queue(settings.model_id),
+        queue_name=queue_name,
+        pick_gate=pick_gate,
         redis_pool=redis,
         # The engine batches; arq only admits. It may hold exactly as many jobs as the engine runs,
         # so queued work stays in Redis where another worker can take it.
@@ -120,19 +130,13 @@ class WorkerProcess:
         self.registration.start()
         logger.info("worker %s registered for model %s (%s); loading", s.worker_id, s.model_id, self.task)
         loaded, engine = await self.engine_thread.start()
-        consumer: WakeableWorker | None = None
-
-        def wake_consumer() -> None:
-            if consumer is not None:
-                consumer.wake()
-
         handler = self._handler(loaded, engine)
         runner = JobRunner(self.redis, self.keys, s.worker_id, s.model_id, handler, self.publisher)
-        consumer = make_consumer(s, self.redis, runner, engine.max_running)
+        consumers = self._consumers(runner, engine)
         listener = ControlListener(
             self.redis,
             {
-                self.keys.queue_wake_channel(s.model_id): lambda _data: wake_consumer(),
+                self.keys.queue_wake_channel(s.model_id): lambda _data: [c.wake() for c in consumers],
                 self.keys.cancel_channel(): lambda data: runner.cancel(data.decode()),
             },
         )
@@ -140,7 +144,7 @@ class WorkerProcess:
         max_len = loaded.max_input_tokens if isinstance(loaded, LoadedEmbedder) else loaded.max_model_len
         self.registration.set_ready(engine.max_running, max_len, engine.load)
         await self.registration.beat()
-        consume = asyncio.create_task(consumer.main(), name="relaylm-arq")
+        consume = asyncio.gather(*(consumer.main() for consumer in consumers))
         logger.info(
             "worker %s ready: model %s (%s, %s), max length %d, max concurrency %d",
             s.worker_id, s.model_id, self.task, loaded.source, max_len, engine.max_running,
@@ -149,20 +153,38 @@ class WorkerProcess:
         await asyncio.wait({consume, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if consume.done() and consume.exception() is not None:
             logger.error("queue consumer failed: %r", consume.exception())
-        await self._shutdown(engine, consumer, runner, consume, listener)
+        await self._shutdown(engine, consumers, runner, consume, listener)
+
+    def _consumers(self, runner: JobRunner, engine: LLMEngine | EmbeddingEngine) -> list[WakeableWorker]:
+        """The model's interactive queue, and its batch queue: batch lines take only the slots
+        interactive work leaves, never the reserved ones, and wait while requests queue in the engine."""
+        s = self.settings
+        interactive = make_consumer(s, self.redis, runner, engine.max_running, self.keys.queue(s.model_id))
+        reserved = s.batch_reserved_slots if s.batch_reserved_slots is not None else engine.max_running // 2
+        batch_slots = max(1, engine.max_running - reserved)
+
+        def has_room_for_batch() -> bool:
+            busy = interactive.num_jobs_running + batch.num_jobs_running
+            return busy < batch_slots and engine.num_waiting == 0
+
+        batch = make_consumer(
+            s, self.redis, runner, batch_slots, self.keys.batch_queue(s.model_id), priority=1,
+            pick_gate=has_room_for_batch,
+        )  # fmt: skip
+        return [interactive, batch]
 
     async def _shutdown(
         self,
         engine: LLMEngine | EmbeddingEngine,
-        consumer: WakeableWorker,
+        consumers: list[WakeableWorker],
         runner: JobRunner,
-        consume: asyncio.Task[None],
+        consume: asyncio.Future[list[None]],
         listener: ControlListener,
     ) -> None:
         s = self.settings
         logger.info("worker %s draining (up to %.0f s)", s.worker_id, s.drain_timeout_s)
         await self.registration.set_state("draining")
-        await _drain(engine, consumer, runner, s.drain_timeout_s)
+        await _drain(engine, consumers, runner, s.drain_timeout_s)
         consume.cancel()
         with contextlib.suppress(BaseException):
             await consume
@@ -175,14 +197,19 @@ class WorkerProcess:
         logger.info("worker %s stopped", s.worker_id)
 
 
-async def _drain(engine: Engine, consumer: WakeableWorker, runner: JobRunner, timeout_s: float) -> None:
-    consumer.allow_pick_jobs = False
+async def _drain(engine: Engine, consumers: list[WakeableWorker], runner: JobRunner, timeout_s: float) -> None:
+    for consumer in consumers:
+        consumer.stop_picking()
+
+    def num_running() -> int:
+        return sum(consumer.num_jobs_running for consumer in consumers)
+
     deadline = time.monotonic() + timeout_s
-    while consumer.num_jobs_running and time.monotonic() < deadline:
+    while num_running() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     for job_id in list(runner.active_job_ids):
         engine.abort(job_id, ErrorKind.WORKER_SHUTTING_DOWN, "the worker shut down before the job finished")
-    while consumer.num_jobs_running and time.monotonic() < deadline + 5:
+    while num_running() and time.monotonic() < deadline + 5:
         await asyncio.sleep(0.05)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from arq.worker import Worker
 from redis.exceptions import RedisError
@@ -19,12 +20,21 @@ _MAX_BACKOFF_S = 5.0
 
 
 class WakeableWorker(Worker):
-    def __init__(self, *args: object, **kwargs: object) -> None:
+    def __init__(self, *args: object, pick_gate: Callable[[], bool] | None = None, **kwargs: object) -> None:
+        """``pick_gate``: asked before each poll; while it says no, this consumer takes no new
+        jobs (batch lines wait while interactive requests need the engine)."""
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._wake_event = asyncio.Event()
+        self._pick_gate = pick_gate
+        self._picking_stopped = False
 
     def wake(self) -> None:
         self._wake_event.set()
+
+    def stop_picking(self) -> None:
+        """Take no new jobs from now on (draining); running ones go on."""
+        self._picking_stopped = True
+        self.allow_pick_jobs = False
 
     def _release_sem_dec_counter_on_complete(self) -> None:
         # A finished job frees a place: look for the next one now, not at the next timed poll.
@@ -44,6 +54,8 @@ class WakeableWorker(Worker):
             await self.on_startup(self.ctx)
         backoff_s = _MIN_BACKOFF_S
         while True:
+            if not self._picking_stopped and self._pick_gate is not None:
+                self.allow_pick_jobs = self._pick_gate()
             try:
                 await self._poll_iteration()
                 backoff_s = _MIN_BACKOFF_S

@@ -70,6 +70,11 @@ class WorkerSettings(CommonSettings):
         default_factory=_default_worker_id, description="Unique name in the registry (host-pid-random)."
     )
     heartbeat_interval_s: float = Field(default=1.0, gt=0, description="Registry heartbeat period.")
+    batch_reserved_slots: int | None = Field(
+        default=None,
+        ge=0,
+        description="Engine slots batch lines never take, kept for interactive requests (default: half).",
+    )
     poll_delay_s: float = Field(default=0.5, gt=0, description="arq queue poll period when no wake-up ping arrives.")
     job_timeout_s: int = Field(default=3600, ge=1, description="Longest a single job may run.")
     drain_timeout_s: float = Field(

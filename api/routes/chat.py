@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 
+from api.background_jobs import submit_background
 from api.chat_completion import collect_completion
 from api.chat_render import sse_chunks, sse_response
 from api.job_stream import ClientDisconnected, JobStream
@@ -60,6 +62,8 @@ async def start_stream(submitter: JobSubmitter, body: SubmittableRequest, reques
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
     submitter: JobSubmitter = request.app.state.submitter
     check_request_limits(body, submitter.settings)
+    if body.background:
+        return JSONResponse(await submit_background(submitter, body, request))
     stream = await start_stream(submitter, body, request)
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -7,7 +7,7 @@ from array import array
 
 from fastapi import APIRouter, Request, Response
 
-from api.job_stream import ClientDisconnected, JobStream
+from api.job_stream import ClientDisconnected, JobEvents
 from api.job_submitter import JobSubmitter
 from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, start_stream
 from shared.errors import ErrorKind, RelayError
@@ -25,7 +25,7 @@ def _base64_float32(vector: list[float]) -> str:
     return base64.b64encode(values.tobytes()).decode("ascii")
 
 
-async def _collect(stream: JobStream, encoding_format: str) -> EmbeddingResponse:
+async def collect_embeddings(stream: JobEvents, encoding_format: str) -> EmbeddingResponse:
     vectors: list[list[float]] | None = None
     usage: EmbeddingUsage | None = None
     try:
@@ -57,6 +57,6 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     try:
-        return await _collect(stream, body.encoding_format)
+        return await collect_embeddings(stream, body.encoding_format)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -125,11 +125,18 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="Extension: extra variables for the chat template, e.g. enable_thinking."
     )
+    background: bool = Field(
+        default=False,
+        description="Extension (OpenAI's background mode): answer at once with an id; poll "
+        "GET /v1/chat/completions/{id} for the result.",
+    )
 
     @model_validator(mode="after")
     def _logprob_rules(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.background and self.stream:
+            raise ValueError("background=true cannot be combined with stream=true; poll the job by id instead")
         return self
 
     @property

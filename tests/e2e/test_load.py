@@ -66,7 +66,24 @@ def test_an_idle_keep_alive_connection_outlives_the_client_pool_expiry(load_stac
     with socket.create_connection(("127.0.0.1", load_stack.port), timeout=10) as conn:
         request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{load_stack.port}\r\n\r\n".encode()
         conn.sendall(request)
-        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        assert _read_response(conn).startswith(b"HTTP/1.1 200")
         time.sleep(6.0)
         conn.sendall(request)
-        assert conn.recv(4096).startswith(b"HTTP/1.1 200")  # with a 5 s keep-alive: b"" (closed)
+        assert _read_response(conn).startswith(b"HTTP/1.1 200")  # with a 5 s keep-alive: b"" (closed)
+
+
+def _read_response(conn: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response (headers, then Content-Length bytes); b"" if the server closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    while len(body) < length:
+        body += conn.recv(4096)
+    return data

@@ -103,3 +103,50 @@ def test_releasing_a_waiting_sequence_just_drops_it() -> None:
     scheduler.schedule()
     scheduler.release(second)
     assert scheduler.num_waiting == 0 and moves == []
+
+
+def test_waiting_interactive_requests_are_admitted_before_waiting_batch_lines() -> None:
+    scheduler, _ = _scheduler(num_slots=2, budget=1000)
+    for name, priority in [("batch0", 1), ("batch1", 1), ("chat0", 0), ("batch2", 1), ("chat1", 0)]:
+        seq = _seq(4, name)
+        seq.request.priority = priority
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    assert [chunk.seq.request.request_id for chunk in first.prefill_chunks] == ["chat0", "chat1"]
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["batch0", "batch1", "batch2"]
+
+
+def test_a_step_that_prefills_an_interactive_prompt_leaves_batch_prompts_for_later() -> None:
+    scheduler, _ = _scheduler(num_slots=4, budget=1000)
+    batch_seq = _seq(40, "batch")
+    batch_seq.request.priority = 1
+    scheduler.add(batch_seq)
+    scheduler.schedule()  # the batch line is admitted and starts its prompt
+    chat = _seq(8, "chat")
+    scheduler.add(chat)
+    step = scheduler.schedule()
+    assert [chunk.seq.request.request_id for chunk in step.prefill_chunks] == ["chat"]
+    assert batch_seq in step.running  # still holds its slot; its prompt continues next step
+
+
+def test_completing_an_interactive_prompt_beside_batch_rows_is_a_prefill_only_step() -> None:
+    scheduler, _ = _scheduler(num_slots=4, budget=1000)
+    batch_seq = _seq(4, "batch")
+    batch_seq.request.priority = 1
+    scheduler.add(batch_seq)
+    _finish_prefill(scheduler)
+    assert batch_seq.status is SequenceStatus.DECODING
+    scheduler.add(_seq(4, "chat"))
+    step = scheduler.schedule()
+    assert step.skip_decode and step.decoding == [] and len(step.prefill_chunks) == 1
+    _finish_prefill_step(step)
+    assert scheduler.schedule().decoding == [batch_seq, *[s for s in scheduler.running if s is not batch_seq]]
+
+
+def test_interactive_only_steps_still_decode_beside_a_new_prompt() -> None:
+    scheduler, _ = _scheduler(num_slots=4, budget=1000)
+    scheduler.add(_seq(4, "first"))
+    _finish_prefill(scheduler)
+    scheduler.add(_seq(4, "second"))
+    step = scheduler.schedule()
+    assert not step.skip_decode and [seq.request.request_id for seq in step.decoding] == ["first"]

@@ -27,6 +27,7 @@ class EmbeddingWork:
     request_id: str
     inputs: list[list[int]]
     start_event: StartEvent | None
+    priority: int = 0  # kept for the job runner's sake; embedding micro-batches are small and FIFO
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -54,6 +55,10 @@ class EmbeddingEngine:
 
     def load(self) -> tuple[int, int, float]:
         return 0, self._inbox.qsize(), 0.0
+
+    @property
+    def num_waiting(self) -> int:
+        return self._inbox.qsize()
 
     def stop(self) -> None:
         self._stopping.set()

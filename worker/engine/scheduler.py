@@ -32,9 +32,14 @@ class PrefillChunk:
 class ScheduledStep:
     running: list[Sequence]  # slot order: running[i].slot == i; all of them take part in decode
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    # The step only prefills: it completes an interactive prompt while batch lines decode, and
+    # its first token should not wait for a decode of every batch row (they decode next step).
+    skip_decode: bool = False
 
     @property
     def decoding(self) -> list[Sequence]:
+        if self.skip_decode:
+            return []
         return [seq for seq in self.running if seq.status is SequenceStatus.DECODING]
 
     @property
@@ -73,7 +78,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Waiting sequences are admitted by priority (interactive before batch), FIFO within one."""
+        position = len(self.waiting)
+        while position and self.waiting[position - 1].request.priority > seq.request.priority:
+            position -= 1
+        self.waiting.insert(position, seq)
 
     def schedule(self) -> ScheduledStep:
         num_decoding = sum(seq.status is SequenceStatus.DECODING for seq in self.running)
@@ -91,12 +100,23 @@ class Scheduler:
                 break
             chunks.append(PrefillChunk(seq, seq.num_computed_tokens, length))
             query_len = max(query_len, length)
-        return ScheduledStep(list(self.running), chunks)
+        completes_interactive = any(chunk.completes_prompt and chunk.seq.request.priority == 0 for chunk in chunks)
+        skip_decode = completes_interactive and any(seq.request.priority > 0 for seq in self.running)
+        return ScheduledStep(list(self.running), chunks, skip_decode)
 
     def _prefill_candidates(self) -> Iterator[Sequence]:
-        """Sequences holding a slot with prompt left, then waiting ones while slots are free."""
-        yield from [seq for seq in self.running if seq.status is SequenceStatus.PREFILLING]
-        while self.waiting and len(self.running) < self.max_running:
+        """Sequences holding a slot with prompt left, then waiting ones while slots are free; of
+        those, only the most urgent priority's, so batch prompts never slow an interactive one's step."""
+        prefilling = [seq for seq in self.running if seq.status is SequenceStatus.PREFILLING]
+        can_admit = bool(self.waiting) and len(self.running) < self.max_running
+        priorities = [seq.request.priority for seq in prefilling]
+        if can_admit:
+            priorities.append(self.waiting[0].request.priority)  # waiting is in priority order
+        if not priorities:
+            return
+        urgent = min(priorities)
+        yield from [seq for seq in prefilling if seq.request.priority == urgent]
+        while self.waiting and len(self.running) < self.max_running and self.waiting[0].request.priority == urgent:
             yield self.waiting[0]
 
     def _admit(self, seq: Sequence) -> None:

@@ -45,6 +45,7 @@ class EngineRequest:
     resume: ResumeState | None = None  # what an earlier attempt already sent
     make_pipeline: Callable[[], TextPipeline] | None = None  # reasoning / tool-call parsing per choice
     constraint: CompiledConstraint | None = None  # a grammar the output must follow
+    priority: int = 0  # 0 interactive, 1 batch: waiting requests are admitted in this order
     next_event_seq: int = 1  # 0 is the start event
     num_finished: int = 0
     num_completion_tokens: int = 0

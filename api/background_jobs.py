@@ -1,0 +1,33 @@
+"""Submitting a background chat job: one request, no stream, its result polled by id."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from api.job_submitter import JobSubmitter, make_job
+from shared.jobs import ChatJob
+from shared.openai.chat_request import ChatCompletionRequest
+
+
+def job_summary(job: ChatJob, status: str) -> dict[str, Any]:
+    """What a background job looks like before it has a result: a ``chat.completion`` with no choices."""
+    return {
+        "id": job.job_id,
+        "object": "chat.completion",
+        "created": job.created,
+        "model": job.request.model,
+        "status": status,
+        "choices": [],
+    }
+
+
+async def submit_background(submitter: JobSubmitter, body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+    await submitter.directory.require_live_worker(body.model)
+    if body.model_extra:
+        body = ChatCompletionRequest.model_validate(body.model_dump(exclude=set(body.model_extra)))
+    job = make_job(body, request.state.request_id, request.state.request_id_is_ours)
+    assert isinstance(job, ChatJob)
+    await submitter.submit_detached(job, track=True)
+    return job_summary(job, "queued")

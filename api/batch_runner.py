@@ -1,0 +1,306 @@
+"""Moves batches through their statuses and collects background jobs' results. Every API process
+runs one; all state is in Redis and a per-batch lock picks who advances a batch, so an API
+restart (or a second API process) carries on where the last one stopped.
+
+One advance of an in-progress batch: collect the lines whose jobs ended (a dead worker's line is
+requeued, up to ``JOB_MAX_ATTEMPTS``), then enqueue pending lines up to ``batch_concurrency``
+on the model's batch queue, which workers serve only with capacity to spare. Each line's result
+is written once (``HSETNX`` by line number), so a line appears exactly once in the output or the
+error file whatever restarts happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from api.batch_store import BatchStore
+from api.batch_validation import REQUEST_MODELS, validate_batch_file
+from api.detached_jobs import DetachedJobs, JobOutcome
+from api.file_store import FileStore
+from api.job_submitter import JobSubmitter, SubmittableRequest, make_job
+from api.settings import ApiSettings
+from api.worker_directory import WorkerDirectory
+from shared.errors import RelayError
+from shared.jobs import decode_job
+from shared.openai.batch import (
+    Batch,
+    BatchError,
+    BatchErrors,
+    BatchInputLine,
+    BatchOutputLine,
+    BatchRequestCounts,
+    BatchResponseData,
+)
+from shared.redis_keys import RedisKeys
+
+logger = logging.getLogger(__name__)
+
+_NO_LIMIT = 2**31
+
+
+def output_line(line: BatchInputLine, job_id: str, outcome: JobOutcome) -> BatchOutputLine:
+    response = BatchResponseData(status_code=outcome.status_code, request_id=job_id, body=outcome.body)
+    return BatchOutputLine(id=f"batch_req_{uuid.uuid4().hex}", custom_id=line.custom_id, response=response)
+
+
+def error_line(line: BatchInputLine, code: str, message: str) -> BatchOutputLine:
+    """A line that never got a response (the batch expired or was cancelled first)."""
+    return BatchOutputLine(
+        id=f"batch_req_{uuid.uuid4().hex}", custom_id=line.custom_id, error={"code": code, "message": message}
+    )
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: RedisKeys,
+        settings: ApiSettings,
+        batches: BatchStore,
+        files: FileStore,
+        jobs: DetachedJobs,
+        submitter: JobSubmitter,
+        directory: WorkerDirectory,
+    ) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._settings = settings
+        self._batches = batches
+        self._files = files
+        self._jobs = jobs
+        self._submitter = submitter
+        self._directory = directory
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run_forever(), name="relaylm-batches")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run_forever(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except RedisError as exc:
+                logger.warning("batch runner: Redis unavailable (%s); retrying", exc)
+            except Exception:
+                logger.exception("batch runner step failed; retrying")
+            await asyncio.sleep(self._settings.batch_poll_interval_s)
+
+    async def tick(self) -> None:
+        await self.collect_background()
+        for batch_id in await self._batches.active_ids():
+            async with self._batches.locked(batch_id) as held:
+                if held:
+                    await self.advance(batch_id)
+
+    # -- background jobs ----------------------------------------------------------------------
+    async def collect_background(self) -> None:
+        job_ids = sorted(raw.decode() for raw in await self._redis.smembers(self._keys.background_jobs()))
+        states = await self._jobs.states(job_ids)
+        for job_id, state in states.items():
+            if state.outcome is not None:
+                status = "completed" if state.outcome.succeeded else "failed"
+                await self.store_result(job_id, status, state.outcome, await self._summary(job_id, status))
+
+    async def _summary(self, job_id: str, status: str) -> dict[str, Any]:
+        payload = await self._redis.get(self._keys.job_request(job_id))
+        job = decode_job(payload) if payload is not None else None
+        if job is None:
+            return {"id": job_id, "object": "chat.completion", "status": status, "choices": []}
+        return {"id": job_id, "object": "chat.completion", "created": job.created, "model": job.request.model}
+
+    async def store_result(self, job_id: str, status: str, outcome: JobOutcome | None, summary: dict[str, Any]) -> None:
+        """Keep a background job's result (or its failure or cancellation) for the retention period."""
+        record: dict[str, Any] = {"status": status, "summary": summary}
+        record["body"] = outcome.body if outcome else None
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._keys.job_result(job_id), json.dumps(record), ex=self._settings.result_retention_s)
+            pipe.srem(self._keys.background_jobs(), job_id)
+            await pipe.execute()
+
+    # -- batches --------------------------------------------------------------------------------
+    async def advance(self, batch_id: str) -> Batch:
+        """One step of the batch's life; call with its lock held."""
+        batch = await self._batches.get(batch_id)
+        if batch.status == "validating":
+            await self._validate(batch)
+        if batch.status == "in_progress":
+            if time.time() >= batch.expires_at:
+                await self._stop_lines(batch, "batch_expired", "The batch expired before this request ran.")
+                await self._finish(batch, "expired")
+            else:
+                await self._collect(batch)
+                await self._fill(batch)
+                if await self._is_drained(batch):
+                    batch.status, batch.finalizing_at = "finalizing", int(time.time())
+                    await self._batches.save(batch)
+        if batch.status == "finalizing":
+            await self._finish(batch, "completed")
+        if batch.status == "cancelling":
+            await self._collect(batch)
+            await self._stop_lines(batch, None, "")
+            await self._finish(batch, "cancelled")
+        return batch
+
+    async def _validate(self, batch: Batch) -> None:
+        try:
+            content = await self._files.content(batch.input_file_id)
+        except RelayError:
+            await self._fail(batch, [("missing_file", f"The input file `{batch.input_file_id}` no longer exists.")])
+            return
+        known = {record.model for record in await self._directory.model_records()}
+        checked = validate_batch_file(content, batch.endpoint, self._settings.batch_max_requests, known.__contains__)
+        if checked.errors:
+            batch.errors = BatchErrors(data=checked.errors[:100])
+            batch.status, batch.failed_at = "failed", int(time.time())
+            batch.request_counts = BatchRequestCounts(total=len(checked.lines) + len(checked.errors))
+            await self._batches.save(batch)
+            logger.info("batch %s failed validation: %d problems", batch.id, len(checked.errors))
+            return
+        keys = self._keys
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.batch_requests(batch.id), keys.batch_pending(batch.id))
+            pipe.hset(
+                keys.batch_requests(batch.id), mapping={n: line.model_dump_json() for n, line in checked.lines.items()}
+            )
+            pipe.rpush(keys.batch_pending(batch.id), *checked.lines)
+            await pipe.execute()
+        batch.model = checked.model
+        batch.request_counts = BatchRequestCounts(total=len(checked.lines))
+        batch.status, batch.in_progress_at = "in_progress", int(time.time())
+        await self._batches.save(batch)
+        logger.info("batch %s: %d requests for %s", batch.id, len(checked.lines), batch.model)
+
+    async def _fail(self, batch: Batch, problems: list[tuple[str, str]]) -> None:
+        batch.errors = BatchErrors(data=[BatchError(code=code, message=message) for code, message in problems])
+        batch.status, batch.failed_at = "failed", int(time.time())
+        await self._batches.save(batch)
+
+    async def _fill(self, batch: Batch) -> None:
+        """Enqueue pending lines while fewer than ``batch_concurrency`` are queued or running."""
+        keys = self._keys
+        room = self._settings.batch_concurrency - int(await self._redis.hlen(keys.batch_running(batch.id)))
+        if room <= 0:
+            return
+        numbers = [int(raw) for raw in await self._redis.lrange(keys.batch_pending(batch.id), 0, room - 1)]
+        if not numbers:
+            return
+        raw_lines = await self._redis.hmget(keys.batch_requests(batch.id), numbers)
+        assert batch.model is not None
+        queue = keys.batch_queue(batch.model)
+        for number, raw in zip(numbers, raw_lines, strict=True):
+            line = BatchInputLine.model_validate_json(raw)
+            request = _request_of(batch.endpoint, line)
+            job = make_job(request, f"{batch.id}-{number}", is_ours=True)
+            # An advance cut short after the enqueue but before the trim must not run a line twice.
+            if not await self._redis.exists(keys.job_request(job.job_id)):
+                await self._submitter.submit_detached(job, queue=queue, limit=_NO_LIMIT)
+            await self._redis.hset(keys.batch_running(batch.id), str(number), job.job_id)
+        await self._redis.ltrim(keys.batch_pending(batch.id), len(numbers), -1)
+
+    async def _collect(self, batch: Batch) -> None:
+        """Write the result of every line whose job ended; requeue lines whose worker died."""
+        keys = self._keys
+        running = {int(n): j.decode() for n, j in (await self._redis.hgetall(keys.batch_running(batch.id))).items()}
+        if not running:
+            return
+        queue = keys.batch_queue(batch.model) if batch.model else None
+        states = await self._jobs.states(sorted(running.values()), queue)
+        lines = await self._lines(batch, list(running))
+        for number, job_id in running.items():
+            outcome = states[job_id].outcome
+            if outcome is None:
+                continue
+            target = keys.batch_outputs(batch.id) if outcome.succeeded else keys.batch_errors(batch.id)
+            written = output_line(lines[number], job_id, outcome)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hsetnx(target, str(number), written.model_dump_json())
+                pipe.hdel(keys.batch_running(batch.id), str(number))
+                await pipe.execute()
+        await self._count(batch)
+
+    async def _stop_lines(self, batch: Batch, code: str | None, message: str) -> None:
+        """Cancel every line still queued or running; with ``code``, each gets an error line
+        (an expired batch reports them); without, they are dropped (a cancelled batch)."""
+        keys = self._keys
+        running = {int(n): j.decode() for n, j in (await self._redis.hgetall(keys.batch_running(batch.id))).items()}
+        await self._jobs.cancel(list(running.values()))
+        pending = [int(raw) for raw in await self._redis.lrange(keys.batch_pending(batch.id), 0, -1)]
+        if code is not None:
+            lines = await self._lines(batch, [*running, *pending])
+            for number in [*running, *pending]:
+                written = error_line(lines[number], code, message)
+                await self._redis.hsetnx(keys.batch_errors(batch.id), str(number), written.model_dump_json())
+        await self._redis.delete(keys.batch_running(batch.id), keys.batch_pending(batch.id))
+        await self._count(batch)
+
+    async def _lines(self, batch: Batch, numbers: list[int]) -> dict[int, BatchInputLine]:
+        if not numbers:
+            return {}
+        raw_lines = await self._redis.hmget(self._keys.batch_requests(batch.id), numbers)
+        return {n: BatchInputLine.model_validate_json(raw) for n, raw in zip(numbers, raw_lines, strict=True)}
+
+    async def _count(self, batch: Batch) -> None:
+        keys = self._keys
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hlen(keys.batch_outputs(batch.id))
+            pipe.hlen(keys.batch_errors(batch.id))
+            completed, failed = await pipe.execute()
+        counts = batch.request_counts
+        if (counts.completed, counts.failed) != (completed, failed):
+            counts.completed, counts.failed = int(completed), int(failed)
+            await self._batches.save(batch)
+
+    async def _is_drained(self, batch: Batch) -> bool:
+        keys = self._keys
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.llen(keys.batch_pending(batch.id))
+            pipe.hlen(keys.batch_running(batch.id))
+            pending, running = await pipe.execute()
+        return pending == 0 and running == 0
+
+    async def _finish(self, batch: Batch, status: str) -> None:
+        """Write the output and error files (lines in input order), then the final status."""
+        keys = self._keys
+        for source, kind in ((keys.batch_outputs(batch.id), "output"), (keys.batch_errors(batch.id), "error")):
+            lines = await self._redis.hgetall(source)
+            if not lines:
+                continue
+            ordered = [value.decode() for _, value in sorted(lines.items(), key=lambda item: int(item[0]))]
+            content = ("\n".join(ordered) + "\n").encode()
+            created = await self._files.create(content, f"{batch.id}_{kind}.jsonl", "batch_output")
+            if kind == "output":
+                batch.output_file_id = created.id
+            else:
+                batch.error_file_id = created.id
+        await self._count(batch)
+        now = int(time.time())
+        batch.status = status  # type: ignore[assignment]
+        if status == "completed":
+            batch.completed_at = now
+        elif status == "expired":
+            batch.expired_at = now
+        else:
+            batch.cancelled_at = now
+        await self._batches.save(batch)
+        logger.info("batch %s %s: %s", batch.id, status, batch.request_counts.model_dump())
+
+
+def _request_of(endpoint: str, line: BatchInputLine) -> SubmittableRequest:
+    request: BaseModel = REQUEST_MODELS[endpoint].model_validate(line.body)
+    if request.model_extra:
+        request = type(request).model_validate(request.model_dump(exclude=set(request.model_extra)))
+    return request  # type: ignore[return-value]

@@ -1,0 +1,99 @@
+"""Batch records in Redis, and the per-batch lock that lets exactly one API process change a
+batch at a time (the others skip it, or wait briefly for a cancel)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from redis.asyncio import Redis
+
+from shared.errors import ErrorKind, RelayError
+from shared.openai.batch import TERMINAL_STATUSES, Batch
+from shared.redis_keys import RedisKeys
+
+# Long enough for one advance of a batch; a process that dies holding it frees it after this.
+_LOCK_TTL_MS = 15_000
+_RELEASE_IF_OURS = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def not_found(batch_id: str) -> RelayError:
+    return RelayError(ErrorKind.NOT_FOUND, f"No batch with id `{batch_id}` (it never existed, or expired).", "batch_id")
+
+
+class BatchStore:
+    def __init__(self, redis: Redis, keys: RedisKeys, retention_s: int) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._retention_s = retention_s
+        self._release = redis.register_script(_RELEASE_IF_OURS)
+
+    async def create(self, batch: Batch) -> None:
+        keys = self._keys
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.batch(batch.id), batch.model_dump_json())
+            pipe.zadd(keys.batches(), {batch.id: batch.created_at})
+            pipe.sadd(keys.active_batches(), batch.id)
+            await pipe.execute()
+
+    async def get(self, batch_id: str) -> Batch:
+        raw = await self._redis.get(self._keys.batch(batch_id))
+        if raw is None:
+            raise not_found(batch_id)
+        return Batch.model_validate_json(raw)
+
+    async def save(self, batch: Batch) -> None:
+        """Write the record; a final batch leaves the active set and expires with its results."""
+        keys = self._keys
+        async with self._redis.pipeline(transaction=True) as pipe:
+            if batch.status in TERMINAL_STATUSES:
+                pipe.set(keys.batch(batch.id), batch.model_dump_json(), ex=self._retention_s)
+                pipe.srem(keys.active_batches(), batch.id)
+                pipe.delete(*keys.batch_keys(batch.id))
+            else:
+                pipe.set(keys.batch(batch.id), batch.model_dump_json())
+            await pipe.execute()
+
+    async def active_ids(self) -> list[str]:
+        return sorted(raw.decode() for raw in await self._redis.smembers(self._keys.active_batches()))
+
+    async def list(self, limit: int, after: str | None) -> tuple[list[Batch], bool]:
+        """Newest first, after the batch ``after``; index entries of expired batches are pruned."""
+        ids = [raw.decode() for raw in await self._redis.zrange(self._keys.batches(), 0, -1, desc=True)]
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        found: list[Batch] = []
+        expired: list[str] = []
+        for start in range(0, len(ids), 256):
+            chunk = ids[start : start + 256]
+            for batch_id, raw in zip(chunk, await self._redis.mget([self._keys.batch(i) for i in chunk]), strict=True):
+                if raw is None:
+                    expired.append(batch_id)
+                else:
+                    found.append(Batch.model_validate_json(raw))
+            if len(found) > limit:
+                break
+        if expired:
+            await self._redis.zrem(self._keys.batches(), *expired)
+        return found[:limit], len(found) > limit
+
+    @asynccontextmanager
+    async def locked(self, batch_id: str, wait_s: float = 0.0) -> AsyncIterator[bool]:
+        """Yields whether this process holds the batch's lock (trying for up to ``wait_s``)."""
+        key, token = self._keys.batch_lock(batch_id), uuid.uuid4().hex
+        deadline = time.monotonic() + wait_s
+        while not (held := bool(await self._redis.set(key, token, nx=True, px=_LOCK_TTL_MS))):
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        try:
+            yield held
+        finally:
+            if held:
+                await self._release(keys=[key], args=[token])

@@ -1,0 +1,89 @@
+"""Uploaded and generated files (``/v1/files``), kept in Redis so that every API process sees
+them and none holds state of its own. Each file's bytes and metadata expire together."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from redis.asyncio import Redis
+
+from shared.errors import ErrorKind, RelayError
+from shared.openai.batch import FileObject, FilePurpose
+from shared.redis_keys import RedisKeys
+
+
+def not_found(file_id: str) -> RelayError:
+    return RelayError(ErrorKind.NOT_FOUND, f"No file with id `{file_id}` (it never existed, or expired).", "file_id")
+
+
+class FileStore:
+    def __init__(self, redis: Redis, keys: RedisKeys, retention_s: int) -> None:
+        self._redis = redis
+        self._keys = keys
+        self.retention_s = retention_s
+
+    async def create(self, content: bytes, filename: str, purpose: FilePurpose, ttl_s: int | None = None) -> FileObject:
+        now = int(time.time())
+        ttl_s = ttl_s or self.retention_s
+        meta = FileObject(
+            id=f"file-{uuid.uuid4().hex}",
+            bytes=len(content),
+            created_at=now,
+            expires_at=now + ttl_s,
+            filename=filename,
+            purpose=purpose,
+        )
+        keys = self._keys
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(keys.file_content(meta.id), content, ex=ttl_s)
+            pipe.set(keys.file_meta(meta.id), meta.model_dump_json(), ex=ttl_s)
+            pipe.zadd(keys.files(), {meta.id: now})
+            await pipe.execute()
+        return meta
+
+    async def get(self, file_id: str) -> FileObject:
+        raw = await self._redis.get(self._keys.file_meta(file_id))
+        if raw is None:
+            raise not_found(file_id)
+        return FileObject.model_validate_json(raw)
+
+    async def content(self, file_id: str) -> bytes:
+        content = await self._redis.get(self._keys.file_content(file_id))
+        if content is None:
+            raise not_found(file_id)
+        return bytes(content)
+
+    async def delete(self, file_id: str) -> None:
+        keys = self._keys
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.file_meta(file_id), keys.file_content(file_id))
+            pipe.zrem(keys.files(), file_id)
+            deleted, _ = await pipe.execute()
+        if not deleted:
+            raise not_found(file_id)
+
+    async def list(
+        self, purpose: str | None, limit: int, after: str | None, newest_first: bool
+    ) -> tuple[list[FileObject], bool]:
+        """A page of files (and whether more follow), pruning index entries of expired files."""
+        ids = [raw.decode() for raw in await self._redis.zrange(self._keys.files(), 0, -1, desc=newest_first)]
+        if after is not None:
+            ids = ids[ids.index(after) + 1 :] if after in ids else []
+        found: list[FileObject] = []
+        expired: list[str] = []
+        for start in range(0, len(ids), 256):
+            chunk = ids[start : start + 256]
+            metas = await self._redis.mget([self._keys.file_meta(file_id) for file_id in chunk])
+            for file_id, raw in zip(chunk, metas, strict=True):
+                if raw is None:
+                    expired.append(file_id)
+                    continue
+                meta = FileObject.model_validate_json(raw)
+                if purpose is None or meta.purpose == purpose:
+                    found.append(meta)
+            if len(found) > limit:
+                break
+        if expired:
+            await self._redis.zrem(self._keys.files(), *expired)
+        return found[:limit], len(found) > limit

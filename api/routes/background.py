@@ -1,0 +1,93 @@
+"""Background chat jobs (extension, modelled on OpenAI's background mode and stored completions):
+``POST /v1/chat/completions`` with ``"background": true`` answers at once; the job is polled
+with ``GET /v1/chat/completions/{id}``, cancelled with ``POST .../{id}/cancel`` and its stored
+result removed with ``DELETE .../{id}``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from fastapi.routing import APIRouter
+from redis.asyncio import Redis
+
+from api.background_jobs import job_summary
+from api.batch_runner import BatchRunner
+from api.detached_jobs import DetachedJobs
+from api.routes.chat import ERROR_RESPONSES
+from shared.errors import ErrorKind, RelayError
+from shared.jobs import ChatJob, decode_job
+from shared.redis_keys import RedisKeys
+
+router = APIRouter()
+
+
+async def _background_job(redis: Redis, keys: RedisKeys, job_id: str) -> ChatJob:
+    payload = await redis.get(keys.job_request(job_id))
+    job = decode_job(payload) if payload is not None else None
+    if not isinstance(job, ChatJob) or not job.request.background:
+        raise RelayError(ErrorKind.NOT_FOUND, f"No background chat completion `{job_id}` (or it expired).")
+    return job
+
+
+def _from_record(job_id: str, record: dict[str, Any], job: ChatJob | None) -> dict[str, Any]:
+    body = record.get("body") or {}
+    if record["status"] == "completed":
+        return {**body, "status": "completed"}
+    summary = {**record.get("summary", {}), **(job_summary(job, record["status"]) if job else {})}
+    summary.update(id=job_id, status=record["status"])
+    if record["status"] == "failed":
+        summary["error"] = body.get("error")
+    return summary
+
+
+@router.get("/v1/chat/completions/{job_id}", responses=ERROR_RESPONSES, summary="Poll a background chat completion")  # type: ignore[arg-type]
+async def get_background(request: Request, job_id: str) -> dict[str, Any]:
+    state = request.app.state
+    redis, keys = state.redis, state.settings.keys
+    raw = await redis.get(keys.job_result(job_id))
+    if raw is not None:
+        return _from_record(job_id, json.loads(raw), None)
+    job = await _background_job(redis, keys, job_id)
+    jobs: DetachedJobs = state.detached_jobs
+    current = (await jobs.states([job_id]))[job_id]
+    if current.outcome is None:
+        return job_summary(job, current.status)
+    runner: BatchRunner = state.batch_runner
+    status = "completed" if current.outcome.succeeded else "failed"
+    await runner.store_result(job_id, status, current.outcome, job_summary(job, status))
+    return _from_record(job_id, json.loads(await redis.get(keys.job_result(job_id))), job)
+
+
+@router.post(
+    "/v1/chat/completions/{job_id}/cancel",
+    responses=ERROR_RESPONSES,
+    summary="Cancel a background chat completion",  # type: ignore[arg-type]
+)
+async def cancel_background(request: Request, job_id: str) -> dict[str, Any]:
+    state = request.app.state
+    redis, keys = state.redis, state.settings.keys
+    raw = await redis.get(keys.job_result(job_id))
+    if raw is not None:
+        return _from_record(job_id, json.loads(raw), None)  # already over: nothing to cancel
+    job = await _background_job(redis, keys, job_id)
+    jobs: DetachedJobs = state.detached_jobs
+    await jobs.cancel([job_id])
+    runner: BatchRunner = state.batch_runner
+    await runner.store_result(job_id, "cancelled", None, job_summary(job, "cancelled"))
+    return job_summary(job, "cancelled")
+
+
+@router.delete(
+    "/v1/chat/completions/{job_id}", responses=ERROR_RESPONSES, summary="Delete a background chat completion"
+)  # type: ignore[arg-type]
+async def delete_background(request: Request, job_id: str) -> dict[str, Any]:
+    state = request.app.state
+    redis, keys = state.redis, state.settings.keys
+    if await redis.get(keys.job_result(job_id)) is None:
+        await _background_job(redis, keys, job_id)  # 404 unless it exists
+        raise RelayError(ErrorKind.CONFLICT, f"Chat completion `{job_id}` is still running; cancel it first.")
+    # The request and event log go too, so the job is gone for good (not collected again).
+    await redis.delete(keys.job_result(job_id), keys.job_request(job_id), keys.job_event_log(job_id))
+    return {"id": job_id, "object": "chat.completion.deleted", "deleted": True}

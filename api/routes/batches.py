@@ -1,0 +1,81 @@
+"""``/v1/batches``: create, poll, cancel and list batches (OpenAI's Batch API)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Query, Request
+
+from api.batch_store import BatchStore
+from api.file_store import FileStore
+from api.routes.chat import ERROR_RESPONSES
+from shared.errors import ErrorKind, RelayError
+from shared.openai.batch import TERMINAL_STATUSES, Batch, BatchList, CreateBatchRequest
+
+router = APIRouter()
+
+_WINDOW_S = {"24h": 24 * 3600}
+_CANCEL_LOCK_WAIT_S = 10.0
+
+
+def _store(request: Request) -> BatchStore:
+    return request.app.state.batches  # type: ignore[no-any-return]
+
+
+@router.post("/v1/batches", response_model=Batch, responses=ERROR_RESPONSES, summary="Create a batch")  # type: ignore[arg-type]
+async def create_batch(body: CreateBatchRequest, request: Request) -> Batch:
+    files: FileStore = request.app.state.files
+    input_file = await files.get(body.input_file_id)
+    if input_file.purpose != "batch":
+        message = f"File `{body.input_file_id}` has purpose `{input_file.purpose}`, not `batch`."
+        raise RelayError(ErrorKind.INVALID_REQUEST, message, "input_file_id")
+    now = int(time.time())
+    batch = Batch(
+        id=f"batch_{uuid.uuid4().hex}",
+        endpoint=body.endpoint,
+        input_file_id=body.input_file_id,
+        completion_window=body.completion_window,
+        status="validating",
+        created_at=now,
+        expires_at=now + _WINDOW_S[body.completion_window],
+        metadata=body.metadata,
+    )
+    # Validation and the rest happen in the batch runner of whichever API process gets there first.
+    await _store(request).create(batch)
+    return batch
+
+
+@router.get("/v1/batches/{batch_id}", response_model=Batch, responses=ERROR_RESPONSES, summary="Get a batch")  # type: ignore[arg-type]
+async def get_batch(request: Request, batch_id: str) -> Batch:
+    return await _store(request).get(batch_id)
+
+
+@router.post("/v1/batches/{batch_id}/cancel", response_model=Batch, responses=ERROR_RESPONSES, summary="Cancel a batch")  # type: ignore[arg-type]
+async def cancel_batch(request: Request, batch_id: str) -> Batch:
+    store = _store(request)
+    async with store.locked(batch_id, wait_s=_CANCEL_LOCK_WAIT_S) as held:
+        if not held:
+            raise RelayError(ErrorKind.INTERNAL, f"Batch `{batch_id}` is busy; retry the cancel.")
+        batch = await store.get(batch_id)
+        if batch.status in TERMINAL_STATUSES or batch.status == "cancelling":
+            if batch.status != "cancelling" and batch.status != "cancelled":
+                message = f"Batch `{batch_id}` is already {batch.status}; it cannot be cancelled."
+                raise RelayError(ErrorKind.CONFLICT, message)
+            return batch
+        batch.status, batch.cancelling_at = "cancelling", int(time.time())
+        await store.save(batch)
+    return batch
+
+
+@router.get("/v1/batches", response_model=BatchList, responses=ERROR_RESPONSES, summary="List batches")  # type: ignore[arg-type]
+async def list_batches(
+    request: Request, limit: int = Query(default=20, ge=1, le=100), after: str | None = None
+) -> BatchList:
+    batches, has_more = await _store(request).list(limit, after)
+    return BatchList(
+        data=batches,
+        first_id=batches[0].id if batches else None,
+        last_id=batches[-1].id if batches else None,
+        has_more=has_more,
+    )

@@ -1,0 +1,76 @@
+"""``/v1/files``: upload, list, read and delete files (batch input, batch output and errors)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi.responses import Response
+
+from api.file_store import FileStore
+from api.routes.chat import ERROR_RESPONSES
+from shared.errors import ErrorKind, RelayError
+from shared.openai.batch import FileDeleted, FileList, FileObject
+
+router = APIRouter()
+
+
+def _store(request: Request) -> FileStore:
+    return request.app.state.files  # type: ignore[no-any-return]
+
+
+@router.post("/v1/files", response_model=FileObject, responses=ERROR_RESPONSES, summary="Upload a file")  # type: ignore[arg-type]
+async def upload_file(
+    request: Request,
+    file: Annotated[UploadFile, File(description="The JSONL file.")],
+    purpose: Annotated[str, Form(description="Only `batch` is accepted.")],
+) -> FileObject:
+    if purpose != "batch":
+        raise RelayError(ErrorKind.INVALID_REQUEST, "Only purpose `batch` is supported.", "purpose")
+    content = await file.read()
+    if not content:
+        raise RelayError(ErrorKind.INVALID_REQUEST, "The file is empty.", "file")
+    return await _store(request).create(content, file.filename or "upload.jsonl", "batch")
+
+
+@router.get("/v1/files", response_model=FileList, responses=ERROR_RESPONSES, summary="List files")  # type: ignore[arg-type]
+async def list_files(
+    request: Request,
+    purpose: str | None = None,
+    limit: int = Query(default=10_000, ge=1, le=10_000),
+    after: str | None = None,
+    order: Literal["asc", "desc"] = "desc",
+) -> FileList:
+    files, has_more = await _store(request).list(purpose, limit, after, newest_first=order == "desc")
+    return FileList(
+        data=files,
+        first_id=files[0].id if files else None,
+        last_id=files[-1].id if files else None,
+        has_more=has_more,
+    )
+
+
+@router.get(
+    "/v1/files/{file_id}", response_model=FileObject, responses=ERROR_RESPONSES, summary="Get a file's metadata"
+)  # type: ignore[arg-type]
+async def get_file(request: Request, file_id: str) -> FileObject:
+    return await _store(request).get(file_id)
+
+
+@router.get(
+    "/v1/files/{file_id}/content",
+    responses={200: {"content": {"application/octet-stream": {}}}, **ERROR_RESPONSES},  # type: ignore[dict-item]
+    summary="Download a file's content",
+)
+async def get_file_content(request: Request, file_id: str) -> Response:
+    store = _store(request)
+    meta = await store.get(file_id)
+    content = await store.content(file_id)
+    media_type = "application/jsonl" if meta.filename.endswith(".jsonl") else "application/octet-stream"
+    return Response(content, media_type=media_type)
+
+
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=ERROR_RESPONSES, summary="Delete a file")  # type: ignore[arg-type]
+async def delete_file(request: Request, file_id: str) -> FileDeleted:
+    await _store(request).delete(file_id)
+    return FileDeleted(id=file_id)

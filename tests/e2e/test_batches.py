@@ -1,0 +1,255 @@
+"""The Batch API and background chat jobs through the official ``openai`` client, against real
+API and worker processes: a 200-line batch, invalid lines, cancelling, an API restart and a
+worker SIGKILL mid-batch (every line exactly once), and a background job polled to the end."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types import Batch
+
+from tests.conftest import make_stack
+from tests.support.stack import Stack
+
+pytestmark = pytest.mark.slow
+MODEL = "batch-tiny"
+API_SETTINGS = {"batch_poll_interval_s": 0.2, "batch_concurrency": 16, "max_file_bytes": 1_000_000}
+
+
+def _line(custom_id: str, content: str = "hi", max_tokens: int = 4, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            **body,
+        },
+    }
+
+
+def _jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def _submit(client: openai.OpenAI, lines: list[dict[str, Any]]) -> Batch:
+    uploaded = client.files.create(file=("input.jsonl", _jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def _wait(client: openai.OpenAI, batch_id: str, until: Callable[[Batch], bool], timeout_s: float = 180) -> Batch:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            batch = client.batches.retrieve(batch_id)
+        except openai.APIConnectionError:  # an API process restarting
+            time.sleep(0.2)
+            continue
+        if until(batch):
+            return batch
+        time.sleep(0.2)
+    raise TimeoutError(f"batch {batch_id} never got there: {client.batches.retrieve(batch_id)}")
+
+
+def _done(batch: Batch) -> bool:
+    return batch.status in ("completed", "failed", "expired", "cancelled")
+
+
+def _output_lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def batch_stack(redis_url: str, log_dir: Path, tiny_model_path: Path) -> Iterator[Stack]:
+    stack = make_stack(redis_url, log_dir)
+    try:
+        stack.start_api(**API_SETTINGS)
+        stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=256, max_num_seqs=32)
+        yield stack
+    finally:
+        stack.stop()
+
+
+def test_a_200_line_batch_completes_with_one_output_line_each(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    lines = [_line(f"req-{i}", content=f"question {i}") for i in range(200)]
+    created = _submit(client, lines)
+    assert created.status == "validating" and created.request_counts.total == 0
+
+    batch = _wait(client, created.id, _done)
+
+    assert batch.status == "completed", batch
+    assert batch.request_counts.model_dump() == {"total": 200, "completed": 200, "failed": 0}
+    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at and batch.error_file_id is None
+    outputs = _output_lines(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in outputs) == sorted(f"req-{i}" for i in range(200))
+    for line in outputs:
+        assert line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 4
+        assert line["id"].startswith("batch_req_") and line["error"] is None
+    assert batch.id in [b.id for b in client.batches.list(limit=100).data]
+    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+
+
+def test_invalid_lines_are_reported_by_line_number_and_nothing_runs(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    wrong_url = {**_line("c"), "url": "/v1/embeddings"}
+    raw = (
+        _jsonl([_line("a")])
+        + b"{not json\n"
+        + _jsonl([_line("a"), wrong_url, _line("d", stream=True), _line("e", model="no-such-model")])
+        + _jsonl([_line("f", messages=[])])
+    )
+    uploaded = client.files.create(file=("bad.jsonl", raw), purpose="batch")
+    created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    batch = _wait(client, created.id, _done)
+
+    assert batch.status == "failed" and batch.failed_at
+    assert batch.errors is not None
+    reported = {(error.line, error.code) for error in batch.errors.data}
+    assert reported == {
+        (2, "invalid_json_line"),
+        (3, "duplicate_custom_id"),
+        (4, "mismatched_url"),
+        (5, "stream_unsupported"),
+        (6, "model_not_found"),
+        (7, "invalid_request"),
+    }
+    assert batch.output_file_id is None
+
+
+def test_bad_batch_and_file_requests_get_openai_errors(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-missing", endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.batches.create(input_file_id="file-x", endpoint="/v1/moderations", completion_window="24h")  # type: ignore[arg-type]
+    assert unsupported.value.body["param"] == "endpoint"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_missing")
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    response = httpx.post(
+        f"{batch_stack.base_url}/v1/files", files={"file": ("big.jsonl", b"x" * 1_200_000)}, data={"purpose": "batch"}
+    )
+    assert response.status_code == 413 and response.json()["error"]["code"] == "payload_too_large"
+    uploaded = client.files.create(file=("gone.jsonl", _jsonl([_line("a")])), purpose="batch")
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(uploaded.id)
+
+
+def test_cancel_mid_run_keeps_what_finished(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    created = _submit(client, [_line(f"c-{i}", max_tokens=48) for i in range(120)])
+    _wait(client, created.id, lambda b: b.request_counts.completed >= 10)
+
+    cancelling = client.batches.cancel(created.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    batch = _wait(client, created.id, _done)
+
+    assert batch.status == "cancelled" and batch.cancelled_at
+    assert 10 <= batch.request_counts.completed < 120
+    outputs = _output_lines(client, batch.output_file_id)
+    assert len(outputs) == batch.request_counts.completed
+    assert len({line["custom_id"] for line in outputs}) == len(outputs)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(_wait(client, _submit(client, [_line("z")]).id, lambda b: b.status == "completed").id)
+
+
+def test_an_api_restart_mid_batch_loses_nothing(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    created = _submit(client, [_line(f"r-{i}", max_tokens=24) for i in range(80)])
+    _wait(client, created.id, lambda b: b.request_counts.completed >= 5)
+
+    assert batch_stack.api is not None
+    batch_stack.api.stop(signal.SIGKILL)
+    batch_stack.start_api(**API_SETTINGS)
+    batch = _wait(client, created.id, _done)
+
+    assert batch.status == "completed" and batch.request_counts.completed == 80
+    outputs = _output_lines(client, batch.output_file_id)
+    assert sorted(line["custom_id"] for line in outputs) == sorted(f"r-{i}" for i in range(80))
+
+
+def test_a_worker_killed_mid_batch_has_its_lines_run_again_exactly_once(
+    redis_url: str, log_dir: Path, tiny_model_path: Path
+) -> None:
+    stack = make_stack(redis_url, log_dir)
+    try:
+        stack.start_api(**API_SETTINGS)
+        for _ in range(2):
+            stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=512, max_num_seqs=8)
+        client = stack.client()
+        created = _submit(client, [_line(f"w-{i}", max_tokens=160) for i in range(48)])
+        _wait(client, created.id, lambda b: b.request_counts.completed >= 4)
+
+        stack.workers[0].stop(signal.SIGKILL)
+        batch = _wait(client, created.id, _done)
+
+        assert batch.status == "completed", batch
+        assert batch.request_counts.model_dump() == {"total": 48, "completed": 48, "failed": 0}
+        outputs = _output_lines(client, batch.output_file_id)
+        assert sorted(line["custom_id"] for line in outputs) == sorted(f"w-{i}" for i in range(48))
+        assert all(line["response"]["body"]["usage"]["completion_tokens"] == 160 for line in outputs)
+        assert "event=requeued" in stack.api.log()  # type: ignore[union-attr]
+    finally:
+        stack.stop()
+
+
+def test_a_background_chat_job_is_polled_to_completion(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    created = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "later, please"}],
+        max_tokens=8,
+        extra_body={"background": True, "ignore_eos": True},
+    )
+    assert created.id.startswith("chatcmpl-") and created.choices == []
+    assert created.status in ("queued", "in_progress", "completed")  # type: ignore[attr-defined]
+
+    deadline = time.monotonic() + 60
+    while (done := client.chat.completions.retrieve(created.id)).status != "completed":  # type: ignore[attr-defined]
+        assert done.status in ("queued", "in_progress") and time.monotonic() < deadline  # type: ignore[attr-defined]
+        time.sleep(0.1)
+
+    assert done.choices[0].message.content and done.choices[0].finish_reason == "length"
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    assert client.chat.completions.delete(created.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.retrieve(created.id)
+
+
+def test_a_background_chat_job_can_be_cancelled(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    created = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "a long one"}],
+        max_tokens=200,
+        extra_body={"background": True, "ignore_eos": True},
+    )
+    response = httpx.post(f"{batch_stack.base_url}/v1/chat/completions/{created.id}/cancel")
+    assert response.status_code == 200 and response.json()["status"] == "cancelled"
+    assert client.chat.completions.retrieve(created.id).status == "cancelled"  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, extra_body={"background": True}
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.retrieve("chatcmpl-never-was")
