@@ -139,6 +139,7 @@ class BatchRunner:
             await self._validate(batch)
         if batch.status == "in_progress":
             if time.time() >= batch.expires_at:
+                await self._collect(batch)  # lines that did finish keep their results
                 await self._stop_lines(batch, "batch_expired", "The batch expired before this request ran.")
                 await self._finish(batch, "expired")
             else:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 from openai.types import Batch
 
 from tests.conftest import make_stack
@@ -253,3 +254,54 @@ def test_a_background_chat_job_can_be_cancelled(batch_stack: Stack) -> None:
         )
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.retrieve("chatcmpl-never-was")
+
+
+def test_a_text_completions_batch_runs_through_the_same_machinery(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    lines = [
+        {
+            "custom_id": f"t-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": f"Once upon a time {i}", "max_tokens": 3, "ignore_eos": True},
+        }
+        for i in range(5)
+    ]
+    uploaded = client.files.create(file=("text.jsonl", _jsonl(lines)), purpose="batch")
+    created = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+
+    batch = _wait(client, created.id, _done)
+
+    assert batch.status == "completed" and batch.request_counts.completed == 5
+    outputs = _output_lines(client, batch.output_file_id)
+    assert [line["custom_id"] for line in outputs] == [f"t-{i}" for i in range(5)]  # input order
+    assert all(line["response"]["body"]["object"] == "text_completion" for line in outputs)
+
+
+def test_a_batch_past_its_window_expires_and_reports_the_unfinished_lines(batch_stack: Stack) -> None:
+    client = batch_stack.client()
+    created = _submit(client, [_line(f"x-{i}", max_tokens=120) for i in range(64)])
+    _wait(client, created.id, lambda b: b.request_counts.completed >= 1)
+
+    # Move the deadline into the past, holding the batch's lock as an API process would.
+    store = redis.Redis.from_url(batch_stack.redis_url)
+    keys = batch_stack.keys
+    try:
+        while not store.set(keys.batch_lock(created.id), b"test", nx=True, px=5000):
+            time.sleep(0.01)
+        record = json.loads(store.get(keys.batch(created.id)))  # type: ignore[arg-type]
+        record["expires_at"] = int(time.time()) - 1
+        store.set(keys.batch(created.id), json.dumps(record))
+        store.delete(keys.batch_lock(created.id))
+    finally:
+        store.close()
+    batch = _wait(client, created.id, _done)
+
+    assert batch.status == "expired" and batch.expired_at
+    counts = batch.request_counts
+    assert counts.completed >= 1 and counts.completed + counts.failed == 64 and counts.failed > 0
+    errors = _output_lines(client, batch.error_file_id)
+    assert {line["error"]["code"] for line in errors} == {"batch_expired"}
+    done = {line["custom_id"] for line in _output_lines(client, batch.output_file_id)}
+    assert done.isdisjoint(line["custom_id"] for line in errors)
+    assert len(done) + len(errors) == 64
