@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import Request
 
-from api.job_submitter import JobSubmitter, make_job
+from api.job_submitter import JobSubmitter, make_job, without_unknown_fields
 from shared.jobs import ChatJob
 from shared.openai.chat_request import ChatCompletionRequest
 
@@ -25,9 +25,8 @@ def job_summary(job: ChatJob, status: str) -> dict[str, Any]:
 
 async def submit_background(submitter: JobSubmitter, body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
     await submitter.directory.require_live_worker(body.model)
-    if body.model_extra:
-        body = ChatCompletionRequest.model_validate(body.model_dump(exclude=set(body.model_extra)))
-    job = make_job(body, request.state.request_id, request.state.request_id_is_ours)
+    request_id = request.state.request_id
+    job = make_job(without_unknown_fields(body, request_id), request_id, request.state.request_id_is_ours)
     assert isinstance(job, ChatJob)
     await submitter.submit_detached(job, track=True)
     return job_summary(job, "queued")

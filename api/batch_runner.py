@@ -18,7 +18,6 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -26,7 +25,7 @@ from api.batch_store import BatchStore
 from api.batch_validation import REQUEST_MODELS, validate_batch_file
 from api.detached_jobs import DetachedJobs, JobOutcome
 from api.file_store import FileStore
-from api.job_submitter import JobSubmitter, SubmittableRequest, make_job
+from api.job_submitter import JobSubmitter, make_job, without_unknown_fields
 from api.settings import ApiSettings
 from api.worker_directory import WorkerDirectory
 from shared.errors import RelayError
@@ -199,13 +198,12 @@ class BatchRunner:
         numbers = [int(raw) for raw in await self._redis.lrange(keys.batch_pending(batch.id), 0, room - 1)]
         if not numbers:
             return
-        raw_lines = await self._redis.hmget(keys.batch_requests(batch.id), numbers)
         assert batch.model is not None
         queue = keys.batch_queue(batch.model)
-        for number, raw in zip(numbers, raw_lines, strict=True):
-            line = BatchInputLine.model_validate_json(raw)
-            request = _request_of(batch.endpoint, line)
-            job = make_job(request, f"{batch.id}-{number}", is_ours=True)
+        for number, line in (await self._lines(batch, numbers)).items():
+            request_id = f"{batch.id}-{number}"
+            request = REQUEST_MODELS[batch.endpoint].model_validate(line.body)
+            job = make_job(without_unknown_fields(request, request_id), request_id, is_ours=True)  # type: ignore[arg-type]
             # An advance cut short after the enqueue but before the trim must not run a line twice.
             if not await self._redis.exists(keys.job_request(job.job_id)):
                 await self._submitter.submit_detached(job, queue=queue, limit=_NO_LIMIT)
@@ -215,7 +213,7 @@ class BatchRunner:
     async def _collect(self, batch: Batch) -> None:
         """Write the result of every line whose job ended; requeue lines whose worker died."""
         keys = self._keys
-        running = {int(n): j.decode() for n, j in (await self._redis.hgetall(keys.batch_running(batch.id))).items()}
+        running = await self._running(batch)
         if not running:
             return
         queue = keys.batch_queue(batch.model) if batch.model else None
@@ -237,7 +235,7 @@ class BatchRunner:
         """Cancel every line still queued or running; with ``code``, each gets an error line
         (an expired batch reports them); without, they are dropped (a cancelled batch)."""
         keys = self._keys
-        running = {int(n): j.decode() for n, j in (await self._redis.hgetall(keys.batch_running(batch.id))).items()}
+        running = await self._running(batch)
         await self._jobs.cancel(list(running.values()))
         pending = [int(raw) for raw in await self._redis.lrange(keys.batch_pending(batch.id), 0, -1)]
         if code is not None:
@@ -247,6 +245,11 @@ class BatchRunner:
                 await self._redis.hsetnx(keys.batch_errors(batch.id), str(number), written.model_dump_json())
         await self._redis.delete(keys.batch_running(batch.id), keys.batch_pending(batch.id))
         await self._count(batch)
+
+    async def _running(self, batch: Batch) -> dict[int, str]:
+        """Line number → job id of the lines enqueued and not yet collected."""
+        raw = await self._redis.hgetall(self._keys.batch_running(batch.id))
+        return {int(number): job_id.decode() for number, job_id in raw.items()}
 
     async def _lines(self, batch: Batch, numbers: list[int]) -> dict[int, BatchInputLine]:
         if not numbers:
@@ -298,10 +301,3 @@ class BatchRunner:
             batch.cancelled_at = now
         await self._batches.save(batch)
         logger.info("batch %s %s: %s", batch.id, status, batch.request_counts.model_dump())
-
-
-def _request_of(endpoint: str, line: BatchInputLine) -> SubmittableRequest:
-    request: BaseModel = REQUEST_MODELS[endpoint].model_validate(line.body)
-    if request.model_extra:
-        request = type(request).model_validate(request.model_dump(exclude=set(request.model_extra)))
-    return request  # type: ignore[return-value]

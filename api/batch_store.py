@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 
 from redis.asyncio import Redis
 
+from api.record_index import page_of_records
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import TERMINAL_STATUSES, Batch
 from shared.redis_keys import RedisKeys
@@ -64,24 +65,10 @@ class BatchStore:
         return sorted(raw.decode() for raw in await self._redis.smembers(self._keys.active_batches()))
 
     async def list(self, limit: int, after: str | None) -> tuple[list[Batch], bool]:
-        """Newest first, after the batch ``after``; index entries of expired batches are pruned."""
-        ids = [raw.decode() for raw in await self._redis.zrange(self._keys.batches(), 0, -1, desc=True)]
-        if after is not None:
-            ids = ids[ids.index(after) + 1 :] if after in ids else []
-        found: list[Batch] = []
-        expired: list[str] = []
-        for start in range(0, len(ids), 256):
-            chunk = ids[start : start + 256]
-            for batch_id, raw in zip(chunk, await self._redis.mget([self._keys.batch(i) for i in chunk]), strict=True):
-                if raw is None:
-                    expired.append(batch_id)
-                else:
-                    found.append(Batch.model_validate_json(raw))
-            if len(found) > limit:
-                break
-        if expired:
-            await self._redis.zrem(self._keys.batches(), *expired)
-        return found[:limit], len(found) > limit
+        """Newest first, after the batch ``after``."""
+        return await page_of_records(
+            self._redis, self._keys.batches(), self._keys.batch, Batch.model_validate_json, limit, after
+        )
 
     @asynccontextmanager
     async def locked(self, batch_id: str, wait_s: float = 0.0) -> AsyncIterator[bool]:

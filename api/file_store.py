@@ -8,6 +8,7 @@ import uuid
 
 from redis.asyncio import Redis
 
+from api.record_index import page_of_records
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import FileObject, FilePurpose
 from shared.redis_keys import RedisKeys
@@ -66,24 +67,8 @@ class FileStore:
     async def list(
         self, purpose: str | None, limit: int, after: str | None, newest_first: bool
     ) -> tuple[list[FileObject], bool]:
-        """A page of files (and whether more follow), pruning index entries of expired files."""
-        ids = [raw.decode() for raw in await self._redis.zrange(self._keys.files(), 0, -1, desc=newest_first)]
-        if after is not None:
-            ids = ids[ids.index(after) + 1 :] if after in ids else []
-        found: list[FileObject] = []
-        expired: list[str] = []
-        for start in range(0, len(ids), 256):
-            chunk = ids[start : start + 256]
-            metas = await self._redis.mget([self._keys.file_meta(file_id) for file_id in chunk])
-            for file_id, raw in zip(chunk, metas, strict=True):
-                if raw is None:
-                    expired.append(file_id)
-                    continue
-                meta = FileObject.model_validate_json(raw)
-                if purpose is None or meta.purpose == purpose:
-                    found.append(meta)
-            if len(found) > limit:
-                break
-        if expired:
-            await self._redis.zrem(self._keys.files(), *expired)
-        return found[:limit], len(found) > limit
+        """A page of files (and whether more follow)."""
+        return await page_of_records(
+            self._redis, self._keys.files(), self._keys.file_meta, FileObject.model_validate_json, limit, after,
+            newest_first, keep=lambda meta: purpose is None or meta.purpose == purpose,
+        )  # fmt: skip

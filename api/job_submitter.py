@@ -51,6 +51,14 @@ return 1
 SubmittableRequest = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
 
 
+def without_unknown_fields(request: SubmittableRequest, request_id: str) -> SubmittableRequest:
+    """Unknown fields are accepted (clients send vendor extras), logged by name, and dropped."""
+    if not request.model_extra:
+        return request
+    logger.info("request %s: ignoring unknown fields %s", request_id, sorted(request.model_extra))
+    return type(request).model_validate(request.model_dump(exclude=set(request.model_extra)))
+
+
 def job_id_for(prefix: str, request_id: str, is_ours: bool) -> str:
     """The response id carries the request id; a client's id gets a suffix, since clients may reuse ids."""
     return f"{prefix}-{request_id}" if is_ours else f"{prefix}-{request_id}-{uuid.uuid4().hex[:8]}"
@@ -97,9 +105,7 @@ class JobSubmitter:
         arrived_at = time.monotonic()
         request_id = request_id or uuid.uuid4().hex
         await self.directory.require_live_worker(request.model)
-        if request.model_extra:
-            logger.info("request %s: ignoring unknown fields %s", request_id, sorted(request.model_extra))
-            request = type(request).model_validate(request.model_dump(exclude=set(request.model_extra)))
+        request = without_unknown_fields(request, request_id)
         job = make_job(request, request_id, request_id_is_ours)
         job_id = job.job_id
         observer = RequestObserver(self.metrics, request.model, arrived_at)
