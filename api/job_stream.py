@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 
+from arq.constants import result_key_prefix
 from redis.exceptions import RedisError
 
 from api.job_takeover import REQUEUED
@@ -157,7 +158,31 @@ class JobStream:
                 async with asyncio.timeout(self._submitter.settings.liveness_check_interval_s):
                     return decode_event(await self._queue.get())
             except TimeoutError:
+                missed = await self._read_missed()
+                if missed:
+                    self._backlog.extend(missed[1:])
+                    return missed[0]
                 await self._check_liveness()
+
+    async def _read_missed(self) -> list[AnyEvent]:
+        """While the job is silent: events its log holds that pub/sub did not bring. A gap is
+        otherwise noticed only when a later event arrives; a lost last event has none.
+
+        Raises when the job's arq run is over and still no final event was logged: its worker
+        returned without finishing the stream (a worker bug), and nothing more will come."""
+        redis, keys = self._submitter.redis, self._submitter.keys
+        try:
+            arq_id = await redis.get(keys.job_arq_id(self.job_id))
+            run_is_over = arq_id is not None and await redis.exists(result_key_prefix + arq_id.decode()) > 0
+            logged = await read_event_log(redis, keys, self.job_id)
+        except RedisError as exc:
+            raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "lost the connection to Redis") from exc
+        missed = [event for event in logged if event.seq >= self._expected_seq]
+        if missed:
+            logger.info("job %s: %d events missed on pub/sub, read from the log", self.job_id, len(missed))
+        elif run_is_over:
+            raise RelayError(ErrorKind.INTERNAL, f"job {self.job_id} ended on its worker without a result")
+        return missed
 
     async def _fill_gap(self, arrived: AnyEvent) -> None:
         """Pub/sub is at-most-once: events it dropped are read back from the job's log."""

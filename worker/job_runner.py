@@ -86,12 +86,11 @@ class JobRunner:
         done = self._publisher.expect(job_id)
         try:
             work = self._prepare(job, resume)
-        except RelayError as exc:
-            log_transition(logger, "rejected", job_id, request_id, code=exc.spec.code or exc.kind.value)
-            error = ErrorEvent(seq=0, kind=exc.kind, message=exc.message, param=exc.param)
+        except Exception as exc:
+            error = self._refusal(exc, job_id, request_id, resume)
             await self._publisher.publish(RequestOutput(job_id, [error], True))
             await done
-            return {"status": "rejected", "kind": exc.kind.value}
+            return {"status": "rejected", "kind": error.kind.value}
         work.priority = priority
         if resume is None:
             work.start_event = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=work.num_prompt_tokens)
@@ -107,6 +106,17 @@ class JobRunner:
             logger, "finished", job_id, request_id, completion_tokens=getattr(work, "num_completion_tokens", 0)
         )
         return {"status": "done"}
+
+    def _refusal(self, exc: Exception, job_id: str, request_id: str | None, resume: ResumeState | None) -> ErrorEvent:
+        """The error event that ends a job its worker could not prepare. An unexpected exception
+        (a bug, a tokenizer failure) must end the stream too: left unpublished, the client would
+        wait on a job its live worker has already given up."""
+        if not isinstance(exc, RelayError):
+            logger.exception("job %s: preparing the request failed", job_id)
+            exc = RelayError(ErrorKind.INTERNAL, "The worker failed to prepare this request.")
+        log_transition(logger, "rejected", job_id, request_id, code=exc.spec.code or exc.kind.value)
+        seq = resume.next_event_seq if resume is not None else 0
+        return ErrorEvent(seq=seq, kind=exc.kind, message=exc.message, param=exc.param)
 
     def _prepare(self, job: AnyJob, resume: ResumeState | None) -> Work:
         if job.request.model != self._model_id:

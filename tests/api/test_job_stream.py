@@ -1,5 +1,6 @@
 """Event ordering in the API's job stream against a real Redis: duplicates dropped, gaps filled
-from the job's event log, and reported when the log does not have them either."""
+from the job's event log, and reported when the log does not have them either; a silent stream
+reads what pub/sub dropped from the log, and ends when the job's run ended without a result."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import uuid
 
 import pytest
+from arq.constants import result_key_prefix
 from redis.asyncio import Redis
 
 from api.job_stream import JobStream
@@ -23,12 +25,12 @@ JOB_ID = "chatcmpl-test"
 
 
 class _Submitter:
-    """The parts of JobSubmitter a stream reads; the tests never let it fall silent."""
+    """The parts of JobSubmitter a stream reads before it would ask about workers."""
 
-    def __init__(self, redis: Redis, keys: RedisKeys) -> None:
+    def __init__(self, redis: Redis, keys: RedisKeys, liveness_check_interval_s: float) -> None:
         self.redis = redis
         self.keys = keys
-        self.settings = ApiSettings(liveness_check_interval_s=30.0, no_worker_grace_s=30.0)
+        self.settings = ApiSettings(liveness_check_interval_s=liveness_check_interval_s, no_worker_grace_s=30.0)
 
 
 async def _stream(
@@ -37,9 +39,15 @@ async def _stream(
     logged: list[AnyEvent],
     backlog: list[AnyEvent] | None = None,
     next_seq: int = 0,
+    liveness_check_interval_s: float = 30.0,
+    arq_result: bool = False,
 ) -> JobStream:
+    """``arq_result``: the job's arq run is over (arq stored its result)."""
     redis = Redis.from_url(redis_url)
     keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
+    if arq_result:
+        await redis.set(keys.job_arq_id(JOB_ID), f"{keys.prefix}-arq")
+        await redis.set(f"{result_key_prefix}{keys.prefix}-arq", b"done")
     for event in logged:
         await redis.xadd(keys.job_event_log(JOB_ID), {"e": encode_event(event)})
     queue: asyncio.Queue[bytes] = asyncio.Queue()
@@ -48,7 +56,7 @@ async def _stream(
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
     job = ChatJob(job_id=JOB_ID, created=1, request=request)
     observer = RequestObserver(Metrics(), "m", arrived_at=0.0)
-    submitter = _Submitter(redis, keys)
+    submitter = _Submitter(redis, keys, liveness_check_interval_s)
     return JobStream(submitter, job, queue, None, observer, backlog, next_seq)  # type: ignore[arg-type]
 
 
@@ -79,3 +87,18 @@ async def test_a_gap_the_log_cannot_fill_is_reported(redis_url: str) -> None:
 async def test_a_reconnect_starts_after_the_last_event_the_client_saw(redis_url: str) -> None:
     stream = await _stream(redis_url, [], [], backlog=[START, DELTA_1, DELTA_2, END], next_seq=2)
     assert [event async for event in stream.events()] == [DELTA_2, END]
+
+
+async def test_a_lost_last_event_is_read_from_the_log_once_the_stream_falls_silent(redis_url: str) -> None:
+    stream = await _stream(redis_url, [START, DELTA_1, DELTA_2], [START, DELTA_1, DELTA_2, END], None, 0, 0.2)
+    async with asyncio.timeout(5):
+        assert [event async for event in stream.events()] == [START, DELTA_1, DELTA_2, END]
+
+
+async def test_a_job_whose_run_ended_without_a_final_event_ends_the_stream(redis_url: str) -> None:
+    stream = await _stream(redis_url, [START], [START], None, 0, 0.2, arq_result=True)
+    assert await stream.next_event() == START
+    async with asyncio.timeout(5):
+        with pytest.raises(RelayError) as raised:
+            await stream.next_event()
+    assert raised.value.kind is ErrorKind.INTERNAL
