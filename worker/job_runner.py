@@ -21,6 +21,20 @@ from worker.publisher import EventPublisher
 
 logger = logging.getLogger(__name__)
 
+# KEYS: request, cancelled flag, attempts, owner, arq id; ARGV: worker id, arq job id, TTL (s).
+# Returns {} when the request is gone, {request, 0} when the job was cancelled before it started,
+# else {request, attempt} with this worker recorded as the job's owner.
+_LOAD_AND_CLAIM = """
+local request = redis.call('GET', KEYS[1])
+if not request then return {} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {request, 0} end
+local attempt = redis.call('INCR', KEYS[3])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[3])
+redis.call('SET', KEYS[5], ARGV[2], 'EX', ARGV[3])
+return {request, attempt}
+"""
+
 # A resume state meaning "nothing left to do": the job's log already holds its last event.
 _ALREADY_FINISHED = ResumeState(next_event_seq=0, output_token_ids={}, finished_choices=frozenset())
 
@@ -44,6 +58,7 @@ class JobRunner:
         self._publisher = publisher
         self.active_job_ids: set[str] = set()
         self._request_ids: dict[str, str | None] = {}
+        self._load_and_claim_script = redis.register_script(_LOAD_AND_CLAIM)
 
     async def run(self, job_id: str, arq_job_id: str, priority: int = 0) -> dict[str, Any]:
         """``priority``: 0 for the interactive queue's jobs, 1 for batch lines."""
@@ -61,10 +76,7 @@ class JobRunner:
             self._engine.abort(job_id)
 
     async def _run(self, job_id: str, arq_job_id: str, priority: int) -> dict[str, Any]:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            pipe.get(self._keys.job_request(job_id))
-            pipe.exists(self._keys.job_cancelled(job_id))
-            payload, is_cancelled = await pipe.execute()
+        payload, attempt = await self._load_and_claim(job_id, arq_job_id)
         if payload is None:
             logger.warning("job %s has no request payload (expired?); dropped", job_id)
             return {"status": "missing"}
@@ -74,10 +86,9 @@ class JobRunner:
             logger.error("job %s: refused a request payload that is not a JSON job", job_id)
             return {"status": "refused"}
         request_id = self._request_ids[job_id] = job.request_id
-        if is_cancelled:
+        if attempt == 0:
             log_transition(logger, "dropped", job_id, request_id, reason="cancelled before start")
             return {"status": "cancelled"}
-        attempt = await self._claim(job_id, arq_job_id)
         resume = await self._resume_state(job_id) if attempt > 1 else None
         log_transition(logger, "picked", job_id, request_id, worker=self._worker_id, attempt=attempt)
         if resume is _ALREADY_FINISHED:
@@ -123,16 +134,22 @@ class JobRunner:
             raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
         return self._handler.prepare(job, resume)
 
-    async def _claim(self, job_id: str, arq_job_id: str) -> int:
-        """Record this worker as the job's owner (the API watches the owner's heartbeat)."""
+    async def _load_and_claim(self, job_id: str, arq_job_id: str) -> tuple[bytes | None, int]:
+        """The job's request and this attempt's number (0: cancelled before it started, so not
+        claimed), in one round trip on the time-to-first-token path. Claiming records this worker
+        as the job's owner: the API watches the owner's heartbeat."""
         keys = self._keys
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.incr(keys.job_attempts(job_id))
-            pipe.expire(keys.job_attempts(job_id), JOB_REQUEST_TTL_S)
-            pipe.set(keys.job_owner(job_id), self._worker_id, ex=JOB_REQUEST_TTL_S)
-            pipe.set(keys.job_arq_id(job_id), arq_job_id, ex=JOB_REQUEST_TTL_S)
-            attempt, *_ = await pipe.execute()
-        return int(attempt)
+        reply = await self._load_and_claim_script(
+            keys=[
+                keys.job_request(job_id), keys.job_cancelled(job_id), keys.job_attempts(job_id),
+                keys.job_owner(job_id), keys.job_arq_id(job_id),
+            ],
+            args=[self._worker_id, arq_job_id, JOB_REQUEST_TTL_S],
+        )  # fmt: skip
+        if not reply:
+            return None, 0
+        payload, attempt = reply
+        return payload, int(attempt)
 
     async def _resume_state(self, job_id: str) -> ResumeState | None:
         """What the job's earlier attempts sent, from its event log."""
