@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint format bench bench-load bench-scaling bench-batch clean venv
+.PHONY: serve test lint format bench bench-hop bench-load bench-scaling bench-batch clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -38,6 +38,10 @@ $(BENCH_INSTALLED): $(INSTALLED)
 ## Serving benchmark (CPU: ~5 min): table on stdout, bench/results/serving.{json,png}.
 bench: $(BENCH_INSTALLED)
 	$(PY) -m bench.serving_bench $(ARGS)
+
+## Where the queue hop goes (~1 min): per-segment TTFT from the job transition logs; bench/results/hop_breakdown.json.
+bench-hop: $(BENCH_INSTALLED)
+	$(PY) -m bench.hop_breakdown $(ARGS)
 
 ## Load test (~3 min): 1,000 streams for 60 s, then overload; bench/results/load.json.
 bench-load: $(BENCH_INSTALLED)

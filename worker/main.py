@@ -76,6 +76,10 @@ def make_consumer(
     )
 
 
+class EngineStopped(RuntimeError):
+    """The engine loop died under a running worker."""
+
+
 class WorkerProcess:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -150,10 +154,22 @@ class WorkerProcess:
             s.worker_id, s.model_id, self.task, loaded.source, max_len, engine.max_running,
         )  # fmt: skip
         stopped = asyncio.create_task(stop.wait())
-        await asyncio.wait({consume, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        engine_exited = asyncio.create_task(self.engine_thread.exited())
+        await asyncio.wait({consume, stopped, engine_exited}, return_when=asyncio.FIRST_COMPLETED)
         if consume.done() and consume.exception() is not None:
             logger.error("queue consumer failed: %r", consume.exception())
+        if engine_exited.done():
+            # Leave the registry at once: APIs hand this worker's jobs to another worker (or end
+            # their streams) within one liveness check instead of waiting on a dead engine.
+            await self.registration.stop()
+            await _stop_consuming(consume, listener)
+            await self._disconnect()
+            raise EngineStopped(f"the engine stopped ({engine_exited.exception()!r}); exiting")
         await self._shutdown(engine, consumers, runner, consume, listener)
+
+    async def _disconnect(self) -> None:
+        self.publisher.close()
+        await self.redis.aclose()
 
     def _consumers(self, runner: JobRunner, engine: LLMEngine | EmbeddingEngine) -> list[WakeableWorker]:
         """The model's interactive queue, and its batch queue: batch lines take only the slots
@@ -185,16 +201,19 @@ class WorkerProcess:
         logger.info("worker %s draining (up to %.0f s)", s.worker_id, s.drain_timeout_s)
         await self.registration.set_state("draining")
         await _drain(engine, consumers, runner, s.drain_timeout_s)
-        consume.cancel()
-        with contextlib.suppress(BaseException):
-            await consume
-        await listener.stop()
+        await _stop_consuming(consume, listener)
         await self.registration.stop()
         engine.stop()
         self.engine_thread.join(timeout_s=10)
-        self.publisher.close()
-        await self.redis.aclose()
+        await self._disconnect()
         logger.info("worker %s stopped", s.worker_id)
+
+
+async def _stop_consuming(consume: asyncio.Future[list[None]], listener: ControlListener) -> None:
+    consume.cancel()
+    with contextlib.suppress(BaseException):
+        await consume
+    await listener.stop()
 
 
 async def _drain(engine: Engine, consumers: list[WakeableWorker], runner: JobRunner, timeout_s: float) -> None:
@@ -220,7 +239,7 @@ async def serve(settings: WorkerSettings) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         await WorkerProcess(settings).run(stop)
-    except RedisRefused as exc:
+    except (RedisRefused, EngineStopped) as exc:
         raise SystemExit(f"relaylm worker: {exc}") from None
 
 

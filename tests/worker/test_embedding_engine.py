@@ -1,10 +1,62 @@
-"""Pooling modes and the token-budget cut of the embedding micro-batcher."""
+"""Pooling modes and the token-budget cut of the embedding micro-batcher; every request it is
+given ends with a done output, also when aborted or when its batch fails."""
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import torch
 
-from worker.embedding.engine import EmbeddingWork, _chunks_by_tokens, _pool
+from shared.errors import ErrorKind
+from shared.events import ErrorEvent, StartEvent
+from worker.embedding.engine import EmbeddingEngine, EmbeddingWork, _chunks_by_tokens, _pool
+from worker.embedding.loader import LoadedEmbedder
+from worker.engine.engine import RequestOutput
+
+
+class _FailingModel(torch.nn.Module):
+    """Stands in for a model whose forward fails (out of memory, a bad input): the engine's
+    failure path is what is under test, not embeddings."""
+
+    def forward(self, **_inputs: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("forward failed")
+
+
+def _run_engine(submit: list[EmbeddingWork], aborts: dict[str, ErrorKind | None]) -> list[RequestOutput]:
+    outputs: queue.Queue[RequestOutput] = queue.Queue()
+    embedder = LoadedEmbedder(_FailingModel(), None, "mean", True, 16, 4, "failing")  # type: ignore[arg-type]
+    engine = EmbeddingEngine(embedder, lambda batch: [outputs.put(output) for output in batch])
+    thread = threading.Thread(target=engine.run_forever, daemon=True)
+    thread.start()
+    for request_id, kind in aborts.items():
+        engine.abort(request_id, kind, "stopping")
+    for work in submit:
+        engine.submit(work)
+    ended = [outputs.get(timeout=10) for _ in submit]
+    engine.stop()
+    thread.join(timeout=5)
+    return sorted(ended, key=lambda output: output.request_id)
+
+
+def _work(request_id: str) -> EmbeddingWork:
+    return EmbeddingWork(request_id, [[1, 2, 3]], StartEvent(seq=0, worker_id="w", prompt_tokens=3))
+
+
+def test_aborted_requests_end_with_their_error_or_silently_when_cancelled() -> None:
+    ended = _run_engine([_work("a"), _work("b")], {"a": None, "b": ErrorKind.WORKER_SHUTTING_DOWN})
+    assert [(output.request_id, output.is_done) for output in ended] == [("a", True), ("b", True)]
+    assert ended[0].events == []
+    assert isinstance(ended[1].events[-1], ErrorEvent)
+    assert ended[1].events[-1].kind is ErrorKind.WORKER_SHUTTING_DOWN
+
+
+def test_a_failed_batch_ends_each_of_its_requests_with_an_internal_error() -> None:
+    ended = _run_engine([_work("a"), _work("b")], {})
+    assert [output.request_id for output in ended] == ["a", "b"]
+    for output in ended:
+        assert output.is_done and isinstance(output.events[0], StartEvent)
+        assert isinstance(output.events[-1], ErrorEvent) and output.events[-1].kind is ErrorKind.INTERNAL
 
 
 def test_pooling_modes_ignore_padding() -> None:

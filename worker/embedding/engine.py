@@ -1,5 +1,8 @@
 """Micro-batching for embeddings: requests that arrive while a batch runs (or within a short
-wait) are embedded together, sorted by length and cut by a token budget so padding stays small."""
+wait) are embedded together, sorted by length and cut by a token budget so padding stays small.
+
+Every submitted request ends with an output marked done, also when it was aborted or its batch
+failed: the job runner waits for that, and so does the client's stream."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.events import EmbeddingsEvent, EndEvent, StartEvent, UsageCounts
+from shared.errors import ErrorKind
+from shared.events import AnyEvent, EmbeddingsEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts
 from worker.embedding.loader import LoadedEmbedder
 from worker.engine.engine import RequestOutput
 
@@ -42,7 +46,7 @@ class EmbeddingEngine:
         self._sink = sink
         self._batch_wait_s = batch_wait_s
         self._inbox: queue.Queue[EmbeddingWork] = queue.Queue()
-        self._aborted: set[str] = set()
+        self._aborted: dict[str, tuple[ErrorKind | None, str]] = {}
         self._stopping = threading.Event()
         self.max_running = _MAX_CONCURRENT_JOBS
         self.num_batches = 0
@@ -50,8 +54,9 @@ class EmbeddingEngine:
     def submit(self, work: EmbeddingWork) -> None:
         self._inbox.put(work)
 
-    def abort(self, request_id: str, *_args: object) -> None:
-        self._aborted.add(request_id)
+    def abort(self, request_id: str, kind: ErrorKind | None = None, message: str = "") -> None:
+        """Drop a request not yet embedded; with ``kind`` its stream ends with that error."""
+        self._aborted[request_id] = (kind, message)
 
     def load(self) -> tuple[int, int, float]:
         return 0, self._inbox.qsize(), 0.0
@@ -73,11 +78,16 @@ class EmbeddingEngine:
             works = [first]
             while not self._inbox.empty():
                 works.append(self._inbox.get_nowait())
+            aborted = {w.request_id: self._aborted.pop(w.request_id) for w in works if w.request_id in self._aborted}
+            if aborted:
+                self._sink([_ended(w, *aborted[w.request_id]) for w in works if w.request_id in aborted])
+            live = [w for w in works if w.request_id not in aborted]
             try:
-                self._run_batch([w for w in works if w.request_id not in self._aborted])
+                if live:
+                    self._run_batch(live)
             except Exception:
                 logger.exception("embedding batch failed")
-            self._aborted.difference_update(w.request_id for w in works)
+                self._sink([_ended(w, ErrorKind.INTERNAL, "embedding failed inside the worker") for w in live])
 
     @torch.inference_mode()
     def _run_batch(self, works: list[EmbeddingWork]) -> None:
@@ -114,6 +124,15 @@ class EmbeddingEngine:
             EndEvent(seq=2, usage=UsageCounts(prompt_tokens=work.num_prompt_tokens, completion_tokens=0)),
         ]
         return RequestOutput(work.request_id, events, True)
+
+
+def _ended(work: EmbeddingWork, kind: ErrorKind | None, message: str) -> RequestOutput:
+    """The last output of a request that will not be embedded: its error, or nothing (cancelled)."""
+    events: list[AnyEvent] = []
+    if kind is not None:
+        events = [] if work.start_event is None else [work.start_event]
+        events.append(ErrorEvent(seq=1, kind=kind, message=message))
+    return RequestOutput(work.request_id, events, True)
 
 
 def _pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
