@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from bench.stats import StreamTrace
@@ -26,6 +27,13 @@ class _TimingStreamer(BaseStreamer):
 
     def end(self) -> None:
         self.trace.finished_at = time.perf_counter()
+
+
+def load_hf_model(source: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The same checkpoint through transformers, as the seeds load it (the engine runs relaylm's
+    native forward where it applies)."""
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
 
 
 @torch.inference_mode()

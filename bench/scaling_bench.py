@@ -6,11 +6,12 @@ in fp32 with the 49k vocabulary) leave room for a second worker:
 1. throughput with one worker, then two, each pinned to its own core (``taskset``, one torch
    thread each), with the same number of clients per worker (each worker batches as much), and
    where each process's CPU went (``psutil``): the API, Redis and this load generator run on
-   the same cores as the workers;
+   the same cores as the workers; and, for the ceiling, the same workload on the engine alone
+   (``bench.engine_probe``), one pinned process and then two;
 2. how long a newly started worker takes to serve its first job while a backlog waits;
 3. how long streams stay silent when their worker is SIGKILLed with another one alive.
 
-    python -m bench.scaling_bench        # what `make bench-scaling` runs (~2 min)
+    python -m bench.scaling_bench        # what `make bench-scaling` runs (~4 min)
 
 Prints a table and writes ``bench/results/scaling.json``.
 """
@@ -86,6 +87,22 @@ def _core_scaling() -> float | None:
     solo = int(probe(0).communicate()[0])
     pair = [probe(0), probe(1)]
     return sum(int(p.communicate()[0]) for p in pair) / solo
+
+
+def _engine_scaling() -> float | None:
+    """The same workload on the engine alone, one pinned process then two at once (no API, Redis
+    or load generator): the ceiling this machine puts on the throughput ratio."""
+    if not shutil.which("taskset") or (os.cpu_count() or 1) < 2:
+        return None
+
+    def probe(core: int) -> subprocess.Popen[bytes]:
+        probe_args = ["-m", "bench.engine_probe", str(CLIENTS_PER_WORKER), "15"]
+        command = ["taskset", "-c", str(core), sys.executable, *probe_args]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    solo = float(probe(0).communicate()[0])
+    pair = [probe(0), probe(1)]
+    return sum(float(p.communicate()[0]) for p in pair) / solo
 
 
 def _cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
@@ -188,6 +205,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
     }
     report["machine_two_core_scaling"] = _core_scaling()
+    report["engine_alone_two_core_scaling"] = _engine_scaling()
     redis_pid = redis_handle.process.pid if redis_handle.process is not None else None
     try:
         stack.start_api(log_level="WARNING")
@@ -225,6 +243,8 @@ def render(report: dict[str, Any]) -> str:
             f"| deltas/s, two workers (a core each, {two['clients']} clients) | {two['deltas_per_s']:.0f} | |",
             f"| throughput ratio | {fmt(report['throughput_ratio'], '×')} | ≥ 1.8× |",
             f"| the machine's two-core scaling (matmuls) | {fmt(report['machine_two_core_scaling'], '×')} | |",
+            f"| the engine alone, two pinned ÷ one (no API, Redis, clients) "
+            f"| {fmt(report.get('engine_alone_two_core_scaling'), '×')} | |",
             f"| worker CPU per delta, one worker ÷ two | {fmt(report['per_worker_efficiency'], '×')} | |",
             f"| cores used, one worker | {split(one)} | |",
             f"| cores used, two workers | {split(two)} | |",

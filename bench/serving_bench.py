@@ -141,8 +141,10 @@ def main() -> None:
     ttft_texts, texts = texts[max(concurrencies) :], texts[: max(concurrencies)]
 
     prompt_ids = [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": t}]) for t in texts]
-    baseline_hf.run_serial_generate(loaded.model, prompt_ids[:1], 8)  # warm-up
-    traces = baseline_hf.run_serial_generate(loaded.model, prompt_ids[: args.baseline_requests], args.output_tokens)
+    hf_model = baseline_hf.load_hf_model(loaded.source, loaded.model.dtype, loaded.model.device)
+    baseline_hf.run_serial_generate(hf_model, prompt_ids[:1], 8)  # warm-up
+    traces = baseline_hf.run_serial_generate(hf_model, prompt_ids[: args.baseline_requests], args.output_tokens)
+    del hf_model
     summaries = [summarize("a: serial HF generate", 1, traces)]
     print(f"  serial HF generate: {summaries[-1].tok_s:.1f} tok/s", flush=True)
 

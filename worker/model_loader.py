@@ -11,17 +11,23 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
+import json
 import logging
 import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from worker.native.loader import load_native
+from worker.native.spec import UnsupportedCheckpoint, read_decoder_spec, read_eos_token_ids
 from worker.settings import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +42,7 @@ class ModelLoadError(RuntimeError):
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: torch.nn.Module  # a NativeCausalLM, or a transformers model (--model-impl)
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     max_model_len: int
@@ -44,7 +50,8 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.config.get_text_config().vocab_size)
+        config = self.model.config
+        return int(getattr(config, "get_text_config", lambda: config)().vocab_size)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -98,6 +105,8 @@ def ensure_default_model(cache_dir: Path) -> Path:
         started = time.monotonic()
         staging = target.with_name(target.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         logger.info("[1/3] tokenizer read; dequantizing the weights (transformers shows progress)")
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -120,36 +129,86 @@ def resolve_source(model: str, cache_dir: Path) -> str:
     return model
 
 
-def _eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+# Tokenizer classes that are exactly their tokenizer.json (checked against AutoTokenizer in
+# tests/worker/test_model_loader.py). Loading one directly skips AutoTokenizer's config and
+# model-class lookups, ~2 s of imports at worker start-up.
+_PLAIN_TOKENIZER_CLASSES = {
+    "TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast", "Qwen2Tokenizer",
+    "Qwen2TokenizerFast",
+}  # fmt: skip
+
+
+def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
+    folder = Path(source)
+    config_path = folder / "tokenizer_config.json"
+    if (folder / "tokenizer.json").is_file() and config_path.is_file():
+        tokenizer_class = json.loads(config_path.read_text()).get("tokenizer_class")
+        if tokenizer_class in _PLAIN_TOKENIZER_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(source)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
+
+
+def _eos_token_ids(generation_eos: object, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     ids: set[int] = set()
-    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (generation_eos, tokenizer.eos_token_id):
         if isinstance(value, int):
             ids.add(value)
-        elif isinstance(value, list | tuple):
+        elif isinstance(value, list | tuple | set | frozenset):
             ids.update(int(v) for v in value)
     return frozenset(ids)
 
 
-def load_model(model: str, cache_dir: Path, device: str, dtype: str, max_model_len: int | None) -> LoadedModel:
+def _load_transformers_model(source: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, object]:
+    """The model through transformers; returns it and its generation config's eos ids."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    hf_model = hf_model.to(device).eval()
+    return hf_model, getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+
+
+def _load_forward(
+    source: str, model_impl: str, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.nn.Module, object]:
+    if model_impl != "transformers":
+        try:
+            spec = read_decoder_spec(Path(source))
+            forward = load_native(spec, dtype, device)
+        except UnsupportedCheckpoint as exc:
+            if model_impl == "native":
+                raise ModelLoadError(f"--model-impl native cannot serve {source}: {exc}") from exc
+            logger.info("native forward does not apply (%s); using transformers", exc)
+        else:
+            logger.info("native forward: %s, %d layers", spec.model_type, spec.num_hidden_layers)
+            return forward, read_eos_token_ids(Path(source))
+    return _load_transformers_model(source, dtype, device)
+
+
+def load_model(
+    model: str, cache_dir: Path, device: str, dtype: str, max_model_len: int | None, model_impl: str = "auto"
+) -> LoadedModel:
     source = resolve_source(model, cache_dir)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     logger.info("loading %s as %s on %s", source, torch_dtype, torch_device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
+        tokenizer = load_tokenizer(source)
+        forward, generation_eos = _load_forward(source, model_impl, torch_dtype, torch_device)
     except OSError as exc:
         raise ModelLoadError(f"cannot load model {model!r}: {exc}") from exc
-    hf_model = hf_model.to(torch_device).eval()
-    config = hf_model.config.get_text_config()
+    config = forward.config
+    config = getattr(config, "get_text_config", lambda: config)()
     model_max = int(getattr(config, "max_position_embeddings", 0) or 2048)
     if max_model_len is not None and max_model_len > model_max:
         raise ModelLoadError(f"--max-model-len {max_model_len} exceeds the model's maximum of {model_max}")
     return LoadedModel(
-        model=hf_model,
+        model=forward,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(hf_model, tokenizer),
+        eos_token_ids=_eos_token_ids(generation_eos, tokenizer),
         max_model_len=max_model_len or model_max,
         source=source,
     )

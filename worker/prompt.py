@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
-from transformers import PreTrainedTokenizerBase
 
 from shared.errors import ErrorKind, RelayError
 from shared.openai.chat_request import (
@@ -17,6 +16,9 @@ from shared.openai.chat_request import (
     SystemMessage,
     ToolMessage,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def _text(content: MessageContent | None) -> str:

@@ -38,6 +38,13 @@ class WorkerSettings(CommonSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="auto: bfloat16 where the hardware has it, else float16 (GPU) / float32 (CPU)."
     )
+    model_impl: Literal["auto", "native", "transformers"] = Field(
+        default="auto",
+        description=(
+            "Forward pass: native (relaylm's own, Llama/Mistral/Qwen2/Qwen3 safetensors; starts seconds faster), "
+            "transformers, or auto (native where it applies)."
+        ),
+    )
     max_model_len: int | None = Field(
         default=None, ge=16, description="Context length served; defaults to the model's maximum."
     )

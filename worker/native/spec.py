@@ -1,0 +1,124 @@
+"""What the native decoder needs to know about a checkpoint, read from its files, and whether it
+can serve it at all (anything it does not implement goes to transformers instead)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+# model_type → whether its attention normalises q and k per head (Qwen3) before RoPE.
+_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The shape of a Llama-family decoder. Attribute names follow transformers' configs, so the
+    KV cache layout reads either."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    weight_files: tuple[Path, ...]
+
+
+class UnsupportedCheckpoint(Exception):
+    """The native decoder does not implement this checkpoint; the reason says what."""
+
+
+def _rope_theta(config: dict[str, object]) -> float:
+    """transformers 5 writes ``rope_parameters``; older checkpoints ``rope_theta`` + ``rope_scaling``."""
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(parameters, dict):
+        raise UnsupportedCheckpoint(f"unreadable rope parameters {parameters!r}")
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    if rope_type != "default":
+        raise UnsupportedCheckpoint(f"rope type {rope_type!r}")
+    return float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))  # type: ignore[arg-type]
+
+
+def _weight_files(folder: Path) -> tuple[Path, ...]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return tuple(folder / shard for shard in shards)
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return (single,)
+    raise UnsupportedCheckpoint("no safetensors weights")
+
+
+def _weight_names(files: tuple[Path, ...]) -> set[str]:
+    names: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def read_decoder_spec(folder: Path) -> DecoderSpec:
+    """The spec of the checkpoint in ``folder``, or ``UnsupportedCheckpoint`` saying why not."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise UnsupportedCheckpoint("no local config.json")
+    config = json.loads(config_path.read_text())
+    model_type = config.get("model_type")
+    if model_type not in _ARCHITECTURES:
+        raise UnsupportedCheckpoint(f"model type {model_type!r}")
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedCheckpoint(f"activation {config['hidden_act']!r}")
+    if config.get("use_sliding_window") or (model_type == "mistral" and config.get("sliding_window")):
+        raise UnsupportedCheckpoint("sliding-window attention")
+    if config.get("pretraining_tp", 1) != 1:
+        raise UnsupportedCheckpoint("pretraining_tp > 1")
+    num_heads = int(config["num_attention_heads"])
+    files = _weight_files(folder)
+    names = _weight_names(files)
+    return DecoderSpec(
+        model_type=model_type,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_hidden_layers=int(config["num_hidden_layers"]),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // num_heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(config),
+        max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=_ARCHITECTURES[model_type],
+        # Biases differ by family (Qwen2: q, k, v but not o): the checkpoint's names say which.
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in names,
+        o_proj_bias="model.layers.0.self_attn.o_proj.bias" in names,
+        mlp_bias="model.layers.0.mlp.gate_proj.bias" in names,
+        weight_files=files,
+    )
+
+
+def read_eos_token_ids(folder: Path) -> set[int]:
+    """End-of-sequence ids from ``generation_config.json`` (where chat models list several)."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return set()
+    value = json.loads(path.read_text()).get("eos_token_id")
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {int(v) for v in value}
+    return set()
