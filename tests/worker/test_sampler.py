@@ -6,9 +6,11 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.worker.engine_helpers import make_seq
-from worker.engine.sampler import Sampler, SlotSamplingState
+from worker.engine.sampler import Sampler, SlotSamplingState, _block_argmax, _search_cdf
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Sequence
 
@@ -135,3 +137,49 @@ def test_mixed_greedy_and_sampled_rows_in_one_batch() -> None:
     seqs = [make_seq(SamplingParams(temperature=0)), make_seq(SamplingParams(temperature=1.0, seed=3))]
     tokens = sampler.sample(torch.tensor([[0.0, 0.0, 5.0, 0.0]] * 2), _place(sampler, seqs), seqs)
     assert tokens[0] == 2
+
+
+# Widths around the 256-token search blocks: one short block, exact multiples, a short last block.
+_WIDTHS = st.sampled_from([1, 2, 255, 256, 257, 511, 512, 700, 1027])
+
+
+@settings(max_examples=60, deadline=None)
+@given(width=_WIDTHS, rows=st.integers(1, 5), levels=st.integers(1, 6), seed=st.integers(0, 2**31))
+def test_block_argmax_is_torch_argmax_first_maximum_included(width: int, rows: int, levels: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    # Few distinct values make ties common; the first maximum must win, as with torch.argmax.
+    logits = torch.randint(0, levels, (rows, width), generator=generator).float()
+    logits[logits == 0] = float("-inf")  # grammar-masked tokens
+    logits[:, -1] = torch.where(logits[:, -1] == float("-inf"), torch.zeros(rows), logits[:, -1])
+    assert _block_argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+
+
+def _reference_search(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    cdf = probs.cumsum(dim=-1)
+    return torch.searchsorted(cdf, ((1.0 - uniform) * cdf[:, -1])[:, None]).squeeze(1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(width=_WIDTHS, rows=st.integers(1, 5), seed=st.integers(0, 2**31), sparse=st.booleans())
+def test_block_search_picks_the_full_cdf_token(width: int, rows: int, seed: int, sparse: bool) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    # Small integer weights sum exactly in float32, so both searches see the same CDF; zeros
+    # (truncated tokens, whole empty blocks when sparse) must never be drawn.
+    probs = torch.randint(0, 4, (rows, width), generator=generator).float()
+    if sparse:
+        probs *= torch.rand(rows, width, generator=generator) < 0.01
+    probs[:, width // 2] += 1.0  # at least one token has mass
+    uniform = torch.rand(rows, generator=generator)
+    uniform[0] = 0.0  # the top of the CDF: the last token with mass
+    tokens = _search_cdf(probs, uniform)
+    assert tokens.tolist() == _reference_search(probs, uniform).tolist()
+    assert bool((probs.gather(1, tokens[:, None]) > 0).all())
+
+
+def test_block_search_never_draws_a_zero_token_under_rounding() -> None:
+    torch.manual_seed(1)
+    probs = torch.softmax(torch.randn(64, 3000) * 4, dim=-1)
+    probs[probs < 1e-4] = 0.0
+    for _ in range(20):
+        tokens = _search_cdf(probs, torch.rand(64))
+        assert bool((probs.gather(1, tokens[:, None]) > 0).all())

@@ -10,6 +10,7 @@ import torch
 
 from worker.engine.detokenizer import Decoder
 from worker.engine.engine import LLMEngine, OutputSink
+from worker.engine.host_allocator import keep_freed_memory
 from worker.engine.kv_cache import KVCacheLayout, SlotKVCache, num_slots_for_budget
 from worker.engine.model_runner import ModelRunner
 from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCache
@@ -46,6 +47,8 @@ def build_engine(
     sink: OutputSink,
 ) -> LLMEngine:
     param = next(model.parameters())
+    if param.device.type == "cpu":
+        keep_freed_memory()
     layout = KVCacheLayout.from_config(model.config, param.dtype, param.device)
     fitting = num_slots_for_budget(layout, config.max_model_len, config.kv_cache_bytes)
     num_slots = min(config.max_num_seqs, fitting)

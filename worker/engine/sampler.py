@@ -20,6 +20,8 @@ from worker.structured import allocate_token_bitmask, apply_token_bitmasks_, fil
 logger = logging.getLogger(__name__)
 
 _MIN_CANDIDATES = 256
+# Width of the vocabulary blocks that argmax and the inverse CDF search first (see _block_argmax).
+_BLOCK = 256
 
 
 class SlotSamplingState:
@@ -111,7 +113,7 @@ class Sampler:
         logits = self._apply_penalties(logits, slots, seqs)
         logits = self._suppress_early_stop(logits, seqs)
         if all(seq.params.is_greedy for seq in seqs):
-            tokens = logits.argmax(dim=-1)
+            tokens = _block_argmax(logits)
         else:
             tokens = self._sample_mixed(logits, slots, seqs)
         self.state.record(slots, tokens)
@@ -167,28 +169,26 @@ class Sampler:
         state = self.state
         temperature = state.temperature[slots]
         is_greedy = temperature == 0
-        greedy_tokens = logits.argmax(dim=-1)
         scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)[:, None]
         probs = torch.softmax(scaled, dim=-1)
         if any(seq.params.uses_truncation for seq in seqs):
             probs = self._truncate(probs, slots, seqs)
         sampled = self._inverse_cdf(probs, seqs)
-        return torch.where(is_greedy, greedy_tokens, sampled)
+        if not any(seq.params.is_greedy for seq in seqs):
+            return sampled
+        return torch.where(is_greedy, _block_argmax(logits), sampled)
 
     def _inverse_cdf(self, probs: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         """One uniform draw per row (from the row's own generator when seeded) against the CDF.
 
         Far cheaper on CPU than a vocabulary of exponential noise, and still batch-invariant.
+        ``probs`` need not be normalised.
         """
         uniform = torch.rand(len(seqs), generator=self._unseeded, device=probs.device)
         for row, seq in enumerate(seqs):
             if seq.generator is not None:
                 uniform[row] = float(torch.rand(1, generator=seq.generator))
-        cdf = probs.cumsum(dim=-1)
-        # (1 - u) lies in (0, 1], so the target is > 0 and <= the total mass: never a zero-probability token.
-        target = (1.0 - uniform) * cdf[:, -1]
-        tokens = torch.searchsorted(cdf, target[:, None]).squeeze(1)
-        return tokens.clamp(max=probs.shape[1] - 1)
+        return _search_cdf(probs, uniform)
 
     def _truncate(self, probs: torch.Tensor, slots: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
         """min-p against the top probability; top-k and top-p within a top-k candidate set.
@@ -219,3 +219,51 @@ class Sampler:
         # Rows that asked for neither top-k nor top-p keep their whole (min-p) distribution.
         is_untruncated = (top_k <= 0) & (top_p >= 1.0)
         return torch.where(is_untruncated[:, None], probs, truncated)
+
+
+def _block_sums(values: torch.Tensor, reduce: str) -> torch.Tensor:
+    """``reduce`` ("sum" or "amax") over each ``_BLOCK``-wide run of every row; the last block
+    is shorter when the vocabulary is not a multiple of it."""
+    rows, width = values.shape
+    full = width // _BLOCK
+    parts = [getattr(values[:, : full * _BLOCK].view(rows, full, _BLOCK), reduce)(dim=-1)] if full else []
+    if width % _BLOCK:
+        parts.append(getattr(values[:, full * _BLOCK :], reduce)(dim=-1, keepdim=True))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _block_of(values: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's entries in its ``block`` ([rows] block numbers): ([rows, _BLOCK] entries,
+    whether each lies inside the vocabulary)."""
+    ids = block[:, None] * _BLOCK + torch.arange(_BLOCK, device=values.device)[None, :]
+    inside = ids < values.shape[1]
+    return values.gather(1, ids.clamp(max=values.shape[1] - 1)), inside
+
+
+def _block_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``, first maximum included, in two short passes: block maxima,
+    then the best block. Measured with 48 rows of a 49k vocabulary on one CPU core: 0.4 ms
+    against 2.4 ms for torch's argmax, whose row-wise index reduction does not vectorise."""
+    block = _block_sums(logits, "amax").argmax(dim=-1)
+    entries, _ = _block_of(logits, block)  # clamped repeats of the last token come after it
+    return block * _BLOCK + entries.argmax(dim=-1)
+
+
+def _search_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token whose CDF interval holds ``(1 - u) * total`` in each row: the block first, from
+    block sums, then the token inside it. The full vocabulary is read once, never written (a
+    row-wise cumsum writes it all: 2.7 ms against 0.5 ms for 48 rows of 49k on one core)."""
+    block_cdf = _block_sums(probs, "sum").cumsum(dim=-1)
+    # (1 - u) lies in (0, 1], so the target is > 0 and <= the total mass: never a zero-probability token.
+    target = (1.0 - uniform) * block_cdf[:, -1]
+    block = torch.searchsorted(block_cdf, target[:, None]).squeeze(1).clamp(max=block_cdf.shape[1] - 1)
+    before = block_cdf.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1)
+    before = torch.where(block > 0, before, torch.zeros_like(before))
+    entries, inside = _block_of(probs, block)
+    inner_cdf = entries.masked_fill(~inside, 0.0).cumsum(dim=-1)
+    # The block holds mass above ``before`` (searchsorted found the first block reaching the
+    # target), so the remainder is > 0; capping it at the block's own running total keeps a
+    # rounding difference between the two sums from stepping past the block's last token.
+    remainder = torch.minimum(target - before, inner_cdf[:, -1])
+    offset = torch.searchsorted(inner_cdf, remainder[:, None]).squeeze(1).clamp(max=_BLOCK - 1)
+    return (block * _BLOCK + offset).clamp(max=probs.shape[1] - 1)
