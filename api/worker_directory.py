@@ -12,7 +12,7 @@ from shared.redis_keys import MODEL_FORGET_AFTER_S, RedisKeys
 from shared.registry import ModelRecord, WorkerInfo
 
 # A positive answer is reused this long, so a busy API does not read the registry per request.
-_LIVE_CACHE_S = 0.5
+LIVE_ANSWER_REUSE_S = 0.5
 
 
 class WorkerDirectory:
@@ -48,7 +48,7 @@ class WorkerDirectory:
             return True
         workers = await self.live_workers(model)
         if workers:
-            self._live_cache[model] = now + _LIVE_CACHE_S
+            self._live_cache[model] = now + LIVE_ANSWER_REUSE_S
         return bool(workers)
 
     async def require_live_worker(self, model: str) -> None:
