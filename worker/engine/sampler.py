@@ -9,6 +9,7 @@ is in the batch.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -221,14 +222,14 @@ class Sampler:
         return torch.where(is_untruncated[:, None], probs, truncated)
 
 
-def _block_sums(values: torch.Tensor, reduce: str) -> torch.Tensor:
-    """``reduce`` ("sum" or "amax") over each ``_BLOCK``-wide run of every row; the last block
-    is shorter when the vocabulary is not a multiple of it."""
+def _block_reduce(values: torch.Tensor, reduce: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``reduce`` (``torch.sum`` or ``torch.amax``) over each ``_BLOCK``-wide run of every row;
+    the last block is shorter when the vocabulary is not a multiple of it."""
     rows, width = values.shape
     full = width // _BLOCK
-    parts = [getattr(values[:, : full * _BLOCK].view(rows, full, _BLOCK), reduce)(dim=-1)] if full else []
+    parts = [reduce(values[:, : full * _BLOCK].view(rows, full, _BLOCK), dim=-1)] if full else []
     if width % _BLOCK:
-        parts.append(getattr(values[:, full * _BLOCK :], reduce)(dim=-1, keepdim=True))
+        parts.append(reduce(values[:, full * _BLOCK :], dim=-1, keepdim=True))
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
@@ -244,7 +245,7 @@ def _block_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)``, first maximum included, in two short passes: block maxima,
     then the best block. Measured with 48 rows of a 49k vocabulary on one CPU core: 0.4 ms
     against 2.4 ms for torch's argmax, whose row-wise index reduction does not vectorise."""
-    block = _block_sums(logits, "amax").argmax(dim=-1)
+    block = _block_reduce(logits, torch.amax).argmax(dim=-1)
     entries, _ = _block_of(logits, block)  # clamped repeats of the last token come after it
     return block * _BLOCK + entries.argmax(dim=-1)
 
@@ -253,7 +254,7 @@ def _search_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """The token whose CDF interval holds ``(1 - u) * total`` in each row: the block first, from
     block sums, then the token inside it. The full vocabulary is read once, never written (a
     row-wise cumsum writes it all: 2.7 ms against 0.5 ms for 48 rows of 49k on one core)."""
-    block_cdf = _block_sums(probs, "sum").cumsum(dim=-1)
+    block_cdf = _block_reduce(probs, torch.sum).cumsum(dim=-1)
     # (1 - u) lies in (0, 1], so the target is > 0 and <= the total mass: never a zero-probability token.
     target = (1.0 - uniform) * block_cdf[:, -1]
     block = torch.searchsorted(block_cdf, target[:, None]).squeeze(1).clamp(max=block_cdf.shape[1] - 1)
