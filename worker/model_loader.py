@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from worker.engine.model_config import text_config
 from worker.native.loader import load_native
 from worker.native.spec import UnsupportedCheckpoint, read_decoder_spec, read_eos_token_ids
 from worker.settings import DEFAULT_MODEL
@@ -50,8 +51,7 @@ class LoadedModel:
 
     @property
     def vocab_size(self) -> int:
-        config = self.model.config
-        return int(getattr(config, "get_text_config", lambda: config)().vocab_size)
+        return int(text_config(self.model.config).vocab_size)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -200,8 +200,7 @@ def load_model(
         forward, generation_eos = _load_forward(source, model_impl, torch_dtype, torch_device)
     except OSError as exc:
         raise ModelLoadError(f"cannot load model {model!r}: {exc}") from exc
-    config = forward.config
-    config = getattr(config, "get_text_config", lambda: config)()
+    config = text_config(forward.config)
     model_max = int(getattr(config, "max_position_embeddings", 0) or 2048)
     if max_model_len is not None and max_model_len > model_max:
         raise ModelLoadError(f"--max-model-len {max_model_len} exceeds the model's maximum of {model_max}")

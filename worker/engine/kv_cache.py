@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine.model_config import text_config
+
 
 @dataclass(frozen=True)
 class KVCacheLayout:
@@ -37,11 +39,11 @@ class KVCacheLayout:
 
     @classmethod
     def from_config(cls, config: object, dtype: torch.dtype, device: torch.device) -> KVCacheLayout:
-        text_config = getattr(config, "get_text_config", lambda: config)()
-        num_heads = text_config.num_attention_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-        return cls(text_config.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
+        text = text_config(config)
+        num_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        return cls(text.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
 
 
 def num_slots_for_budget(layout: KVCacheLayout, max_model_len: int, budget_bytes: int) -> int:

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from worker.engine.kv_cache import SlotKVCache
+from worker.engine.model_config import text_config
 from worker.engine.scheduler import PrefillChunk
 from worker.native.decoder import NativeCausalLM
 
@@ -49,7 +50,7 @@ class ModelRunner:
         self.forward: StepForward = model if isinstance(model, NativeCausalLM) else TransformersForward(model)
         self.cache = cache
         self.device = cache.layout.device
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model.config)
         self.vocab_size: int = config.vocab_size
         self._logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
 
