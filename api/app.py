@@ -9,20 +9,22 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from api.batch_runner import BatchRunner
-from api.batch_store import BatchStore
-from api.detached_jobs import DetachedJobs
+from api.batches.file_store import FileStore
+from api.batches.runner import BatchRunner
+from api.batches.store import BatchStore
+from api.draining import DrainingMiddleware, drain_gate
 from api.errors import install_error_handlers
-from api.event_router import EventRouter
-from api.file_store import FileStore
-from api.job_submitter import JobSubmitter
+from api.jobs.detached import DetachedJobs
+from api.jobs.event_router import EventRouter
+from api.jobs.submitter import JobSubmitter
+from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
 from api.middleware import ApiKeyMiddleware, BodyGuardMiddleware
 from api.request_context import RequestContextMiddleware
 from api.routes import background, batches, chat, completions, embeddings, files, health, metrics, models, resume
 from api.settings import ApiSettings
-from api.worker_directory import WorkerDirectory
 from shared.connection import connect_redis, redacted
+from shared.job_lifecycle import JobLifecycle
 
 logger = logging.getLogger("relaylm.api")
 
@@ -44,12 +46,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
         app.state.redis = redis
         app.state.directory = directory
         app.state.metrics = app_metrics
-        submitter = app.state.submitter = JobSubmitter(redis, keys, router, directory, settings, app_metrics)
+        lifecycle = app.state.lifecycle = JobLifecycle(redis, keys)
+        submitter = app.state.submitter = JobSubmitter(lifecycle, keys, router, directory, settings, app_metrics)
         files = app.state.files = FileStore(redis, keys, settings.file_retention_s)
         batches = app.state.batches = BatchStore(redis, keys, settings.result_retention_s)
-        jobs = DetachedJobs(redis, keys, directory, submitter.takeover, settings.reasoning_field)
-        app.state.detached_jobs = jobs
-        runner = BatchRunner(redis, keys, settings, batches, files, jobs, submitter, directory)
+        jobs = app.state.detached_jobs = DetachedJobs(lifecycle, settings.reasoning_field)
+        runner = BatchRunner(redis, keys, settings, batches, files, jobs, submitter, directory, lifecycle)
         app.state.batch_runner = runner
         runner.start()
         logger.info("API ready; Redis at %s", redacted(settings.redis_url))
@@ -85,6 +87,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             allow_headers=["authorization", "content-type", "last-event-id", "x-request-id"],
             expose_headers=["x-request-id"],
         )
+    app.add_middleware(DrainingMiddleware, gate=drain_gate(app), retry_after_s=settings.retry_after_s)
     app.add_middleware(RequestContextMiddleware, metrics=app_metrics)
     app.include_router(chat.router)
     app.include_router(completions.router)

@@ -19,8 +19,15 @@ logger = logging.getLogger(__name__)
 _HTTP_STATUS_KINDS = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWED}
 
 
+# Busy (429) and unavailable (503) answers say when to come back, also where the raiser did not.
+DEFAULT_RETRY_AFTER_S = 2
+
+
 def error_response(error: RelayError) -> JSONResponse:
-    headers = {"retry-after": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    retry_after_s = error.retry_after_s
+    if retry_after_s is None and error.status in (429, 503):
+        retry_after_s = DEFAULT_RETRY_AFTER_S
+    headers = {"retry-after": str(retry_after_s)} if retry_after_s is not None else None
     return JSONResponse(error.to_body(), status_code=error.status, headers=headers)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from api.worker_directory import WorkerDirectory
+from api.jobs.worker_directory import WorkerDirectory
 
 _LATENCY_BUCKETS_S = (
     0.005,
@@ -67,7 +67,7 @@ class Metrics:
             "relaylm:request_failure", "Requests ended by an error, by code", ["model", "code"], registry=r
         )
         self.queue_depth = Gauge(
-            "relaylm:queue_depth", "Jobs queued or running per model (arq queue)", ["model"], registry=r
+            "relaylm:queue_depth", "Interactive jobs queued or running per model", ["model"], registry=r
         )
         self.live_workers = Gauge("relaylm:live_workers", "Workers heartbeating per model", ["model"], registry=r)
         worker_labels = ["model", "worker"]

@@ -116,7 +116,7 @@ def check_json_text(body: bytes) -> None:
         document = json.loads(text)
     except ValueError:
         return  # FastAPI reports malformed JSON with its position
-    path = _lone_surrogate_path(document, [])
+    path = lone_surrogate_path(document, [])
     if path is not None:
         raise RelayError(
             ErrorKind.INVALID_REQUEST,
@@ -125,7 +125,7 @@ def check_json_text(body: bytes) -> None:
         )
 
 
-def _lone_surrogate_path(value: Any, path: list[str]) -> list[str] | None:
+def lone_surrogate_path(value: Any, path: list[str]) -> list[str] | None:
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -139,8 +139,10 @@ def _lone_surrogate_path(value: Any, path: list[str]) -> list[str] | None:
     else:
         return None
     for key, item in items:
-        found = _lone_surrogate_path(key, [*path, str(key)]) if isinstance(key, str) else None
-        found = found or _lone_surrogate_path(item, [*path, str(key)])
+        # A key may itself hold the surrogate: the path names it escaped, so the error can be sent.
+        where = [*path, str(key).encode("utf-8", "backslashreplace").decode("utf-8")]
+        found = lone_surrogate_path(key, where) if isinstance(key, str) else None
+        found = found or lone_surrogate_path(item, where)
         if found is not None:
             return found
     return None

@@ -34,7 +34,9 @@ class ApiSettings(CommonSettings):
     max_pending_per_model: int = Field(
         default=1024, ge=1, description="Jobs queued or running per model (all workers); past it, 429 + Retry-After."
     )
-    retry_after_s: int = Field(default=2, ge=1, description="Retry-After seconds sent with a queue-full 429.")
+    retry_after_s: int = Field(
+        default=2, ge=1, description="Retry-After seconds sent with a queue-full 429 and a draining 503."
+    )
     log_prompts: bool = Field(default=False, description="Log each request's messages (off: prompts never reach logs).")
     reasoning_field: Literal["reasoning_content", "reasoning"] = Field(
         default="reasoning_content",

@@ -3,7 +3,7 @@ into segments by the job transitions the API and the worker already log (JSON, m
 plus the client's own send and first-token times, all on this host's wall clock:
 
     client send → API queued       HTTP, validation, subscribe, enqueue script
-    API queued → worker picked     wake-up ping, arq poll and claim, job read, request load + claim
+    API queued → worker picked     wake-up ping, claim (one script: job + request)
     worker picked → worker started chat template and tokenization (the in-process engine pays it too)
     worker started → API started   prefill and first token, publish, pub/sub (the model's work)
     API started → client token     SSE response start, role and first delta chunks, client parsing

@@ -2,7 +2,7 @@
 
 Each request goes through the same preparation as in a worker (checks, chat template,
 tokenization, sampling parameters) inside the timed region, so the difference to the full
-stack is exactly API + Redis + arq + pub/sub. The loop runs on this (main) thread, the thread
+stack is exactly API + Redis queue + pub/sub. The loop runs on this (main) thread, the thread
 that already ran the baseline: torch work on a second thread would run slower (see
 worker/engine_thread.py).
 """

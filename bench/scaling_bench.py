@@ -34,7 +34,6 @@ from typing import Any
 
 import httpx
 import psutil
-import redis
 
 from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.support.models import tiny_random_llama_dir
@@ -179,10 +178,7 @@ def _failover_silence(stack: Stack) -> float:
             arrivals.append(time.monotonic())
             if len(arrivals) == 3:
                 job_id = json.loads(line[6:])["id"]
-                client = redis.Redis.from_url(stack.redis_url)
-                owner = client.get(stack.keys.job_owner(job_id)).decode()
-                client.close()
-                victim = next(w for i, w in enumerate(stack.workers) if owner == f"{stack.key_prefix}-worker{i}")
+                victim = stack.worker_of(job_id)
                 victim.popen.send_signal(signal.SIGKILL)
                 killed_at = time.monotonic()
     # Deltas already in flight still arrive just after the kill; the silence is the longest gap.

@@ -26,7 +26,12 @@ class ErrorKind(StrEnum):
     NO_LIVE_WORKER = "no_live_worker"
     WORKER_LOST = "worker_lost"
     WORKER_SHUTTING_DOWN = "worker_shutting_down"
+    SERVER_SHUTTING_DOWN = "server_shutting_down"
     STREAM_GAP = "stream_gap"
+    EVENT_UNREADABLE = "event_unreadable"
+    JOB_TIMEOUT = "job_timeout"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
     REDIS_UNAVAILABLE = "redis_unavailable"
     INTERNAL = "internal_error"
 
@@ -51,7 +56,13 @@ ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
     ErrorKind.NO_LIVE_WORKER: ErrorSpec(503, "service_unavailable_error", "no_live_worker"),
     ErrorKind.WORKER_LOST: ErrorSpec(503, "service_unavailable_error", "worker_lost"),
     ErrorKind.WORKER_SHUTTING_DOWN: ErrorSpec(503, "service_unavailable_error", "worker_shutting_down"),
+    ErrorKind.SERVER_SHUTTING_DOWN: ErrorSpec(503, "service_unavailable_error", "server_shutting_down"),
     ErrorKind.STREAM_GAP: ErrorSpec(502, "server_error", "stream_gap"),
+    ErrorKind.EVENT_UNREADABLE: ErrorSpec(502, "server_error", "event_unreadable"),
+    ErrorKind.JOB_TIMEOUT: ErrorSpec(504, "server_error", "job_timeout"),
+    # Ends in a job's log only (the client that asked for it is gone, or asked for the cancel).
+    ErrorKind.CANCELLED: ErrorSpec(499, "invalid_request_error", "cancelled"),
+    ErrorKind.EXPIRED: ErrorSpec(408, "invalid_request_error", "expired"),
     ErrorKind.REDIS_UNAVAILABLE: ErrorSpec(503, "service_unavailable_error", "redis_unavailable"),
     ErrorKind.INTERNAL: ErrorSpec(500, "server_error", "internal_error"),
 }

@@ -1,7 +1,7 @@
 """The job a worker receives: the validated OpenAI request plus what the API decided about it.
 
-The payload is stored under its own Redis key (``RedisKeys.job_request``) and arq carries only
-the job id, so prompts never appear in arq's log lines. It is JSON, not msgpack: tool schemas
+The payload is stored in the job's record (``RedisKeys.job``, field ``request``); queues carry only
+the job id, so prompts never appear in queue log lines. It is JSON, not msgpack: tool schemas
 are arbitrary JSON, whose integers may exceed msgpack's 64 bits.
 """
 
@@ -14,8 +14,6 @@ from pydantic import BaseModel, Field, TypeAdapter
 from shared.openai.chat_request import ChatCompletionRequest
 from shared.openai.completion_request import CompletionRequest
 from shared.openai.embeddings import EmbeddingRequest
-
-CHAT_JOB_FUNCTION = "run_chat_job"
 
 
 class _JobFields(BaseModel):

@@ -1,17 +1,15 @@
 """Every Redis key and channel relaylm uses, built in one place, each with its TTL beside it.
 
-arq's own keys (``arq:job:<id>``, ``arq:in-progress:<id>``, ``arq:result:<id>``, ``arq:retry:<id>``)
-are arq's constants; everything else lives under one configurable prefix so that several
-deployments can share a Redis.
+Everything lives under one configurable prefix so that several deployments can share a Redis.
+The job keys are read and written only through :mod:`shared.job_lifecycle`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A job's request payload and its cancel flag outlive any reasonable generation.
-JOB_REQUEST_TTL_S = 24 * 3600
-JOB_CANCEL_TTL_S = 3600
+# A job's record (state, owner, epoch, request payload) outlives any reasonable generation.
+JOB_RECORD_TTL_S = 24 * 3600
 # A job's event log (for gaps, reconnects and resuming on another worker) outlives its last event by this.
 JOB_LOG_TTL_S = 3600
 JOB_LOG_MAX_EVENTS = 200_000
@@ -31,45 +29,44 @@ class RedisKeys:
 
     # -- queues -----------------------------------------------------------------------------
     def queue(self, model: str) -> str:
-        """arq queue (sorted set) of chat jobs for one model: workers only take their model's jobs."""
+        """Sorted set of one model's queued interactive job ids (score: enqueue time, 0 for a
+        job taken over from a dead worker): workers only take their model's jobs."""
         return f"{self.prefix}:queue:{model}"
 
     def batch_queue(self, model: str) -> str:
-        """arq queue of batch lines for one model: workers take them only with capacity to spare."""
+        """Sorted set of one model's queued batch lines: workers take them only with capacity to spare."""
         return f"{self.prefix}:queue:{model}:batch"
 
+    @staticmethod
+    def queue_running(queue: str) -> str:
+        """Sorted set of the jobs claimed from ``queue`` and not yet ended (for the queue limit)."""
+        return f"{queue}:running"
+
     def queue_wake_channel(self, model: str) -> str:
-        """Pub/sub channel the API pings after enqueueing, so idle workers pick up at once."""
+        """Pub/sub channel pinged after an enqueue, so idle workers claim at once."""
         return f"{self.prefix}:queue:{model}:wake"
 
+    def running_jobs(self) -> str:
+        """Sorted set of every running job (score: claim time): API processes watch their owners."""
+        return f"{self.prefix}:jobs:running"
+
     # -- jobs -------------------------------------------------------------------------------
-    def job_request(self, job_id: str) -> str:
-        """The job's request payload (msgpack); kept out of arq's args so prompts never reach logs."""
-        return f"{self.prefix}:job:{job_id}:request"
+    @property
+    def job_prefix(self) -> str:
+        """``job(id)`` is this plus the id; the claim script builds job keys from queue members with it."""
+        return f"{self.prefix}:job:"
+
+    def job(self, job_id: str) -> str:
+        """Hash: the job's state, owner and epoch, attempts, next event number and request payload."""
+        return f"{self.job_prefix}{job_id}"
 
     def job_events_channel(self, job_id: str) -> str:
         """Pub/sub channel carrying the job's event stream to the API."""
         return f"{self.prefix}:job:{job_id}:events"
 
     def job_event_log(self, job_id: str) -> str:
-        """Redis Stream with every event of the job, beside the pub/sub channel that carries them live."""
+        """Redis Stream with every event of the job (entry id ``<seq>-1``), beside the live channel."""
         return f"{self.prefix}:job:{job_id}:log"
-
-    def job_owner(self, job_id: str) -> str:
-        """Worker id running the job (or "requeued" while a takeover waits for a new worker)."""
-        return f"{self.prefix}:job:{job_id}:owner"
-
-    def job_arq_id(self, job_id: str) -> str:
-        """The arq job id of the current attempt (the first attempt's is the job id itself)."""
-        return f"{self.prefix}:job:{job_id}:arq"
-
-    def job_attempts(self, job_id: str) -> str:
-        """How many times a worker started the job."""
-        return f"{self.prefix}:job:{job_id}:attempts"
-
-    def job_cancelled(self, job_id: str) -> str:
-        """Flag set when the client went away; checked by a worker before it starts the job."""
-        return f"{self.prefix}:job:{job_id}:cancelled"
 
     def cancel_channel(self) -> str:
         """Pub/sub channel every worker listens on for running jobs to abort."""

@@ -14,6 +14,9 @@ class WorkerInfo(BaseModel):
     """One worker's heartbeat, stored as JSON under ``RedisKeys.worker`` with a short TTL."""
 
     worker_id: str
+    instance: str = Field(
+        default="", description="Random per process: a worker restarted under the same id is another owner."
+    )
     model: str
     task: WorkerTask = "generate"
     state: WorkerState

@@ -1,1 +1,1 @@
-"""Worker: pulls chat jobs from Redis (arq), runs them in the batching engine, publishes events."""
+"""Worker: claims jobs from Redis, runs them in the batching engine, publishes their events."""

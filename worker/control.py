@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[bytes], None]
 _RETRY_DELAY_S = 0.5
+# Reads poll: a blocking read would hit the connection's command timeout on a quiet channel.
+_READ_POLL_S = 1.0
 
 
 class ControlListener:
@@ -39,7 +41,7 @@ class ControlListener:
                 await pubsub.subscribe(*self._handlers)
                 self._subscribed.set()
                 while True:
-                    message = await pubsub.get_message(timeout=None)
+                    message = await pubsub.get_message(timeout=_READ_POLL_S)
                     if message is not None and message["type"] == "message":
                         self._dispatch(message["channel"], message["data"])
             except RedisError as exc:

@@ -1,167 +1,177 @@
-"""The arq job: load the request, prepare it, hand it to the engine, wait for its last event."""
+"""One claimed job: prepare it, hand it to the engine, wait for its last event.
+
+Every way out leaves the job in a final state or back in its queue: its final event written
+(finished, failed, timed out), a refusal (the job moved on without us: stop generating), or,
+when the worker stops before the job ends, handed back to the front of the queue so another
+worker continues it from the tokens already sent.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
-from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from shared.errors import ErrorKind, RelayError
-from shared.event_log import read_event_log
-from shared.events import DeltaEvent, EndEvent, ErrorEvent, StartEvent
+from shared.events import DeltaEvent, ErrorEvent, StartEvent
+from shared.job_lifecycle import Claim, JobLifecycle, JobState
 from shared.jobs import AnyJob, decode_job
 from shared.log_setup import log_transition
-from shared.redis_keys import JOB_REQUEST_TTL_S, RedisKeys
 from worker.engine.engine import RequestOutput
 from worker.engine.sequence import ResumeState
 from worker.job_handlers import JobHandler, Work
-from worker.publisher import EventPublisher
+from worker.publisher import EventPublisher, PublishOutcome
 
 logger = logging.getLogger(__name__)
 
-# KEYS: request, cancelled flag, attempts, owner, arq id; ARGV: worker id, arq job id, TTL (s).
-# Returns {} when the request is gone, {request, 0} when the job was cancelled before it started,
-# else {request, attempt} with this worker recorded as the job's owner.
-_LOAD_AND_CLAIM = """
-local request = redis.call('GET', KEYS[1])
-if not request then return {} end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {request, 0} end
-local attempt = redis.call('INCR', KEYS[3])
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[3])
-redis.call('SET', KEYS[5], ARGV[2], 'EX', ARGV[3])
-return {request, attempt}
-"""
-
-# A resume state meaning "nothing left to do": the job's log already holds its last event.
-_ALREADY_FINISHED = ResumeState(next_event_seq=0, output_token_ids={}, finished_choices=frozenset())
+# After a timeout abort, how long the job's error event may take to be written.
+_ABORT_GRACE_S = 10.0
+_HAND_BACK_RETRY_S = 1.0
+_HAND_BACK_TRIES = 10
 
 
 class JobRunner:
     def __init__(
         self,
-        redis: Redis,
-        keys: RedisKeys,
+        lifecycle: JobLifecycle,
         worker_id: str,
         model_id: str,
         handler: JobHandler,
         publisher: EventPublisher,
+        job_timeout_s: float,
     ) -> None:
-        self._redis = redis
-        self._keys = keys
+        self._lifecycle = lifecycle
         self._worker_id = worker_id
         self._model_id = model_id
         self._handler = handler
         self._engine = handler.engine
         self._publisher = publisher
-        self.active_job_ids: set[str] = set()
+        self._job_timeout_s = job_timeout_s
         self._request_ids: dict[str, str | None] = {}
-        self._load_and_claim_script = redis.register_script(_LOAD_AND_CLAIM)
 
-    async def run(self, job_id: str, arq_job_id: str, priority: int = 0) -> dict[str, Any]:
-        """``priority``: 0 for the interactive queue's jobs, 1 for batch lines."""
-        self.active_job_ids.add(job_id)
-        try:
-            return await self._run(job_id, arq_job_id, priority)
-        finally:
-            self.active_job_ids.discard(job_id)
-            self._request_ids.pop(job_id, None)
+    @property
+    def active_job_ids(self) -> list[str]:
+        return list(self._request_ids)
 
     def cancel(self, job_id: str) -> None:
-        """The client went away: stop generating, send nothing more."""
-        if job_id in self.active_job_ids:
+        """The job was cancelled (its client went away): stop generating, send nothing more."""
+        if job_id in self._request_ids:
             log_transition(logger, "cancelled", job_id, self._request_ids.get(job_id), by="client")
             self._engine.abort(job_id)
 
-    async def _run(self, job_id: str, arq_job_id: str, priority: int) -> dict[str, Any]:
-        payload, attempt = await self._load_and_claim(job_id, arq_job_id)
-        if payload is None:
-            logger.warning("job %s has no request payload (expired?); dropped", job_id)
-            return {"status": "missing"}
+    async def run(self, claim: Claim, priority: int = 0) -> None:
+        """``priority``: 0 for the interactive queue's jobs, 1 for batch lines."""
+        job_id = claim.job_id
+        self._request_ids[job_id] = None
+        done = self._publisher.expect(job_id, claim.epoch)
         try:
-            job = decode_job(payload)
+            await self._run(claim, priority, done)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._hand_back(claim))
+            raise
+        finally:
+            self._publisher.forget(job_id)
+            self._request_ids.pop(job_id, None)
+
+    async def _run(self, claim: Claim, priority: int, done: asyncio.Future[PublishOutcome]) -> None:
+        job_id = claim.job_id
+        try:
+            job = decode_job(claim.payload)
         except ValueError:
             logger.error("job %s: refused a request payload that is not a JSON job", job_id)
-            return {"status": "refused"}
+            await self._end_with(claim, RelayError(ErrorKind.INVALID_REQUEST, "The job's request is unreadable."))
+            return
         request_id = self._request_ids[job_id] = job.request_id
-        if attempt == 0:
-            log_transition(logger, "dropped", job_id, request_id, reason="cancelled before start")
-            return {"status": "cancelled"}
-        resume = await self._resume_state(job_id) if attempt > 1 else None
-        log_transition(logger, "picked", job_id, request_id, worker=self._worker_id, attempt=attempt)
-        if resume is _ALREADY_FINISHED:
-            log_transition(logger, "dropped", job_id, request_id, reason="finished before its worker died")
-            return {"status": "finished"}
-        done = self._publisher.expect(job_id)
+        log_transition(logger, "picked", job_id, request_id, worker=self._worker_id, attempt=claim.attempt)
+        resume = await self._resume_state(claim) if claim.next_seq > 0 else None
         try:
             work = self._prepare(job, resume)
         except Exception as exc:
-            error = self._refusal(exc, job_id, request_id, resume)
-            await self._publisher.publish(RequestOutput(job_id, [error], True))
-            await done
-            return {"status": "rejected", "kind": error.kind.value}
+            await self._end_with(claim, self._refusal(exc, job_id, request_id))
+            return
         work.priority = priority
         if resume is None:
             work.start_event = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=work.num_prompt_tokens)
         self._engine.submit(work)  # type: ignore[arg-type]
         log_transition(logger, "started", job_id, request_id, prompt_tokens=work.num_prompt_tokens)
-        try:
-            await done
-        except asyncio.CancelledError:
-            self._engine.abort(job_id, ErrorKind.WORKER_SHUTTING_DOWN, "the worker stopped during generation")
-            log_transition(logger, "aborted", job_id, request_id, reason="worker stopping")
-            raise
-        log_transition(
-            logger, "finished", job_id, request_id, completion_tokens=getattr(work, "num_completion_tokens", 0)
-        )
-        return {"status": "done"}
+        outcome = await self._wait(job_id, request_id, done)
+        if outcome is PublishOutcome.LOST:
+            self._engine.abort(job_id)
+            await self._log_loss(job_id, request_id)
+            return
+        completion_tokens = getattr(work, "num_completion_tokens", 0)
+        log_transition(logger, "finished", job_id, request_id, completion_tokens=completion_tokens)
 
-    def _refusal(self, exc: Exception, job_id: str, request_id: str | None, resume: ResumeState | None) -> ErrorEvent:
-        """The error event that ends a job its worker could not prepare. An unexpected exception
-        (a bug, a tokenizer failure) must end the stream too: left unpublished, the client would
-        wait on a job its live worker has already given up."""
+    async def _wait(self, job_id: str, request_id: str | None, done: asyncio.Future[PublishOutcome]) -> PublishOutcome:
+        """The job's outcome; past the job timeout it is aborted with ``job_timeout``."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), self._job_timeout_s)
+        except TimeoutError:
+            message = f"The job ran longer than the worker's job timeout ({self._job_timeout_s:.0f} s)."
+            self._engine.abort(job_id, ErrorKind.JOB_TIMEOUT, message)
+            log_transition(logger, "timed_out", job_id, request_id, timeout_s=self._job_timeout_s)
+        try:
+            return await asyncio.wait_for(done, _ABORT_GRACE_S)
+        except TimeoutError:
+            return PublishOutcome.LOST
+
+    async def _log_loss(self, job_id: str, request_id: str | None) -> None:
+        """Why the job's writes were refused: cancelled (its client left), or taken over."""
+        try:
+            record = await self._lifecycle.record(job_id)
+        except RedisError:
+            record = None
+        if record is not None and record.state is JobState.CANCELLED:
+            log_transition(logger, "cancelled", job_id, request_id, by="client")
+        else:
+            state = record.state.value if record is not None else "gone"
+            log_transition(logger, "dropped", job_id, request_id, reason="moved on without this worker", state=state)
+
+    async def _hand_back(self, claim: Claim) -> None:
+        """The worker is stopping before the job ended: stop generating and requeue it, so another
+        worker continues from the tokens already sent."""
+        self._engine.abort(claim.job_id)
+        self._publisher.forget(claim.job_id)
+        for _ in range(_HAND_BACK_TRIES):
+            try:
+                requeued = await self._lifecycle.requeue(claim.job_id, claim.epoch)
+            except RedisError:
+                await asyncio.sleep(_HAND_BACK_RETRY_S)
+                continue
+            reason = "requeued" if requeued else "already moved on"
+            log_transition(logger, "handed_back", claim.job_id, self._request_ids.get(claim.job_id), outcome=reason)
+            return
+        logger.warning(
+            "job %s: could not hand it back; API processes requeue it once this worker is gone", claim.job_id
+        )
+
+    async def _end_with(self, claim: Claim, error: RelayError) -> None:
+        """End a job that never reached the engine with its error event."""
+        event = ErrorEvent(seq=claim.next_seq, kind=error.kind, message=error.message, param=error.param)
+        await self._publisher.publish(RequestOutput(claim.job_id, [event], True))
+
+    def _refusal(self, exc: Exception, job_id: str, request_id: str | None) -> RelayError:
+        """An unexpected exception (a bug, a tokenizer failure) must end the stream too: left
+        unpublished, the client would wait on a job its live worker has already given up."""
         if not isinstance(exc, RelayError):
             logger.exception("job %s: preparing the request failed", job_id)
             exc = RelayError(ErrorKind.INTERNAL, "The worker failed to prepare this request.")
         log_transition(logger, "rejected", job_id, request_id, code=exc.spec.code or exc.kind.value)
-        seq = resume.next_event_seq if resume is not None else 0
-        return ErrorEvent(seq=seq, kind=exc.kind, message=exc.message, param=exc.param)
+        return exc
 
     def _prepare(self, job: AnyJob, resume: ResumeState | None) -> Work:
         if job.request.model != self._model_id:
             raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
         return self._handler.prepare(job, resume)
 
-    async def _load_and_claim(self, job_id: str, arq_job_id: str) -> tuple[bytes | None, int]:
-        """The job's request and this attempt's number (0: cancelled before it started, so not
-        claimed), in one round trip on the time-to-first-token path. Claiming records this worker
-        as the job's owner: the API watches the owner's heartbeat."""
-        keys = self._keys
-        reply = await self._load_and_claim_script(
-            keys=[
-                keys.job_request(job_id), keys.job_cancelled(job_id), keys.job_attempts(job_id),
-                keys.job_owner(job_id), keys.job_arq_id(job_id),
-            ],
-            args=[self._worker_id, arq_job_id, JOB_REQUEST_TTL_S],
-        )  # fmt: skip
-        if not reply:
-            return None, 0
-        payload, attempt = reply
-        return payload, int(attempt)
-
-    async def _resume_state(self, job_id: str) -> ResumeState | None:
+    async def _resume_state(self, claim: Claim) -> ResumeState:
         """What the job's earlier attempts sent, from its event log."""
-        events = await read_event_log(self._redis, self._keys, job_id)
-        if any(isinstance(event, EndEvent | ErrorEvent) for event in events):
-            return _ALREADY_FINISHED
         sent: dict[int, list[int]] = {}
         finished: set[int] = set()
-        for event in events:
+        for event in await self._lifecycle.read_log(claim.job_id):
             if isinstance(event, DeltaEvent):
                 sent.setdefault(event.index, []).extend(event.token_ids)
                 if event.finish_reason is not None:
                     finished.add(event.index)
-        next_seq = max((event.seq for event in events), default=0) + 1
-        return ResumeState(next_seq, sent, frozenset(finished))
+        return ResumeState(claim.next_seq, sent, frozenset(finished))

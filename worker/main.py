@@ -1,5 +1,5 @@
-"""Worker process: register, load the model, start the engine, consume the model's arq queue,
-and on SIGTERM/SIGINT drain within ``drain_timeout_s`` before leaving."""
+"""Worker process: register, load the model, start the engine, claim the model's jobs, and on
+SIGTERM/SIGINT drain within ``drain_timeout_s`` (then hand unfinished jobs back) before leaving."""
 
 from __future__ import annotations
 
@@ -10,13 +10,8 @@ import signal
 import time
 from collections.abc import Callable
 
-from arq.connections import ArqRedis
-from arq.worker import func
-
-from shared import serialization
 from shared.connection import RedisRefused, connect_redis, wait_for_redis
-from shared.errors import ErrorKind
-from shared.jobs import CHAT_JOB_FUNCTION
+from shared.job_lifecycle import Claim, JobLifecycle
 from shared.log_setup import configure_logging
 from worker.control import ControlListener
 from worker.embedding.engine import EmbeddingEngine
@@ -28,51 +23,30 @@ from worker.job_handlers import EmbeddingHandler, Engine, GenerationHandler, Job
 from worker.job_runner import JobRunner
 from worker.model_loader import LoadedModel, load_model
 from worker.publisher import EventPublisher
-from worker.queue_consumer import WakeableWorker
+from worker.queue_consumer import QueueConsumer
 from worker.registry import WorkerRegistration
 from worker.settings import WorkerSettings
+from worker.thread_budget import ThreadBudget, available_cores
 from worker.tooling import resolve_tooling
 
 logger = logging.getLogger("relaylm.worker")
 
-# arq keeps a job's result this long; results stream over pub/sub, this is only for debugging.
-_KEEP_RESULT_S = 60
-_HEALTH_CHECK_INTERVAL_S = 10
-
 
 def make_consumer(
     settings: WorkerSettings,
-    redis: ArqRedis,
+    lifecycle: JobLifecycle,
+    instance: str,
     runner: JobRunner,
-    max_jobs: int,
-    queue_name: str,
+    num_slots: int,
+    queue: str,
     priority: int = 0,
-    pick_gate: Callable[[], bool] | None = None,
-) -> WakeableWorker:
-    async def run_chat_job(ctx: dict[str, object], job_id: str) -> dict[str, object]:
-        return await runner.run(job_id, str(ctx["job_id"]), priority)
+    claim_gate: Callable[[], bool] | None = None,
+) -> QueueConsumer:
+    async def run_job(claim: Claim) -> None:
+        await runner.run(claim, priority)
 
-    return WakeableWorker(
-        functions=[func(run_chat_job, name=CHAT_JOB_FUNCTION, max_tries=1, timeout=settings.job_timeout_s)],
-        queue_name=queue_name,
-        pick_gate=pick_gate,
-        redis_pool=redis,
-        # The engine batches; arq only admits. It may hold exactly as many jobs as the engine runs,
-        # so queued work stays in Redis where another worker can take it.
-        max_jobs=max_jobs,
-        job_timeout=settings.job_timeout_s,
-        keep_result=_KEEP_RESULT_S,
-        poll_delay=settings.poll_delay_s,
-        # A streaming job restarted from token 0 would duplicate what the client already has.
-        max_tries=1,
-        retry_jobs=False,
-        # Cancellation uses our own pub/sub channel (instant, and free of arq's abort-set bug #485).
-        allow_abort_jobs=False,
-        handle_signals=False,
-        health_check_interval=_HEALTH_CHECK_INTERVAL_S,
-        log_results=False,
-        job_serializer=serialization.serialize,
-        job_deserializer=serialization.deserialize,
+    return QueueConsumer(
+        lifecycle, queue, settings.worker_id, instance, num_slots, run_job, settings.poll_delay_s, claim_gate
     )
 
 
@@ -85,15 +59,21 @@ class WorkerProcess:
         self.settings = settings
         self.keys = settings.keys
         self.task = resolve_task(settings)
-        self.redis = connect_redis(settings.redis_url, self.keys.queue(settings.model_id))
+        self.redis = connect_redis(settings.redis_url)
+        self.lifecycle = JobLifecycle(self.redis, self.keys)
         self.registration = WorkerRegistration(
             self.redis, self.keys, settings.worker_id, settings.model_id, settings.heartbeat_interval_s, self.task
         )
-        self.publisher = EventPublisher(settings.redis_url, self.redis, self.keys)
+        self.publisher = EventPublisher(settings.redis_url, self.keys)
+        # Before the model loads: this worker's share of the host's cores (refined once registered).
+        initial_threads = settings.num_threads or available_cores()
         if self.task == "embed":
-            self.engine_thread = EngineThread(self._load_embedder, self._build_embedding_engine)
+            self.engine_thread = EngineThread(self._load_embedder, self._build_embedding_engine, initial_threads)
         else:
-            self.engine_thread = EngineThread(self._load, self._build)
+            self.engine_thread = EngineThread(self._load, self._build, initial_threads)
+        self.thread_budget = ThreadBudget(
+            self.redis, self.keys, self.registration.info.host, settings.num_threads, self.engine_thread.set_num_threads
+        )
 
     def _load(self) -> LoadedModel:
         s = self.settings
@@ -132,10 +112,12 @@ class WorkerProcess:
             return
         await self.registration.beat()
         self.registration.start()
+        await self.thread_budget.refresh()
+        self.thread_budget.start()
         logger.info("worker %s registered for model %s (%s); loading", s.worker_id, s.model_id, self.task)
         loaded, engine = await self.engine_thread.start()
         handler = self._handler(loaded, engine)
-        runner = JobRunner(self.redis, self.keys, s.worker_id, s.model_id, handler, self.publisher)
+        runner = JobRunner(self.lifecycle, s.worker_id, s.model_id, handler, self.publisher, s.job_timeout_s)
         consumers = self._consumers(runner, engine)
         listener = ControlListener(
             self.redis,
@@ -163,19 +145,25 @@ class WorkerProcess:
             # their streams) within one liveness check instead of waiting on a dead engine.
             await self.registration.stop()
             await _stop_consuming(consume, listener)
+            for consumer in consumers:
+                await consumer.cancel_running()  # hand the jobs back for another worker
             await self._disconnect()
             raise EngineStopped(f"the engine stopped ({engine_exited.exception()!r}); exiting")
-        await self._shutdown(engine, consumers, runner, consume, listener)
+        await self._shutdown(engine, consumers, consume, listener)
 
     async def _disconnect(self) -> None:
+        await self.thread_budget.stop()
         self.publisher.close()
         await self.redis.aclose()
 
-    def _consumers(self, runner: JobRunner, engine: LLMEngine | EmbeddingEngine) -> list[WakeableWorker]:
+    def _consumers(self, runner: JobRunner, engine: LLMEngine | EmbeddingEngine) -> list[QueueConsumer]:
         """The model's interactive queue, and its batch queue: batch lines take only the slots
         interactive work leaves, never the reserved ones, and wait while requests queue in the engine."""
         s = self.settings
-        interactive = make_consumer(s, self.redis, runner, engine.max_running, self.keys.queue(s.model_id))
+        instance = self.registration.info.instance
+        interactive = make_consumer(
+            s, self.lifecycle, instance, runner, engine.max_running, self.keys.queue(s.model_id)
+        )
         reserved = s.batch_reserved_slots if s.batch_reserved_slots is not None else engine.max_running // 2
         batch_slots = max(1, engine.max_running - reserved)
 
@@ -184,23 +172,22 @@ class WorkerProcess:
             return busy < batch_slots and engine.num_waiting == 0
 
         batch = make_consumer(
-            s, self.redis, runner, batch_slots, self.keys.batch_queue(s.model_id), priority=1,
-            pick_gate=has_room_for_batch,
+            s, self.lifecycle, instance, runner, batch_slots, self.keys.batch_queue(s.model_id), priority=1,
+            claim_gate=has_room_for_batch,
         )  # fmt: skip
         return [interactive, batch]
 
     async def _shutdown(
         self,
         engine: LLMEngine | EmbeddingEngine,
-        consumers: list[WakeableWorker],
-        runner: JobRunner,
+        consumers: list[QueueConsumer],
         consume: asyncio.Future[list[None]],
         listener: ControlListener,
     ) -> None:
         s = self.settings
         logger.info("worker %s draining (up to %.0f s)", s.worker_id, s.drain_timeout_s)
         await self.registration.set_state("draining")
-        await _drain(engine, consumers, runner, s.drain_timeout_s)
+        await _drain(consumers, s.drain_timeout_s)
         await _stop_consuming(consume, listener)
         await self.registration.stop()
         engine.stop()
@@ -216,9 +203,11 @@ async def _stop_consuming(consume: asyncio.Future[list[None]], listener: Control
     await listener.stop()
 
 
-async def _drain(engine: Engine, consumers: list[WakeableWorker], runner: JobRunner, timeout_s: float) -> None:
+async def _drain(consumers: list[QueueConsumer], timeout_s: float) -> None:
+    """Take no new jobs; let running ones finish until the deadline, then hand the rest back to
+    the queue (each job's task requeues its job when cancelled) for another worker to continue."""
     for consumer in consumers:
-        consumer.stop_picking()
+        consumer.stop_claiming()
 
     def num_running() -> int:
         return sum(consumer.num_jobs_running for consumer in consumers)
@@ -226,10 +215,8 @@ async def _drain(engine: Engine, consumers: list[WakeableWorker], runner: JobRun
     deadline = time.monotonic() + timeout_s
     while num_running() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    for job_id in list(runner.active_job_ids):
-        engine.abort(job_id, ErrorKind.WORKER_SHUTTING_DOWN, "the worker shut down before the job finished")
-    while num_running() and time.monotonic() < deadline + 5:
-        await asyncio.sleep(0.05)
+    for consumer in consumers:
+        await consumer.cancel_running()
 
 
 async def serve(settings: WorkerSettings) -> None:

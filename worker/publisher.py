@@ -1,88 +1,164 @@
-"""Job events → Redis pub/sub.
+"""Job events → the job's log and channel, through the lifecycle's fenced ``append``.
 
-Every event is appended to the job's event log (a Redis Stream) and published on its channel.
 The engine thread publishes each step's events itself, in one pipelined round trip, with a
 synchronous client: handing them to the event loop first cost a thread hop and, with both
-cores busy decoding, a scheduling delay on the time-to-first-token path. Publishing on the
-engine thread also keeps a job's events in order (its start event travels with the engine's
-first output for it). The event loop publishes only what it makes itself (rejections) and
-waits on per-job futures that resolve once a job's final event is out.
+cores busy decoding, a scheduling delay on the time-to-first-token path.
+
+Nothing is dropped: events that could not be written (Redis down or restarting) stay in the
+job's outbox and are written again, in order, by the next step or by a retry thread, until
+Redis takes them or refuses them. A refusal means the job is not ours any more (taken over
+after this worker was paused, cancelled, or lost in a Redis restart): the job's future says so
+and its runner stops generating. A gap (events a Redis restart lost from the log) is filled
+from the copy every job keeps of what it sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
 
 import redis
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from shared.events import encode_event
-from shared.redis_keys import JOB_LOG_MAX_EVENTS, JOB_LOG_TTL_S, RedisKeys
+from shared.events import EndEvent, ErrorEvent, encode_event
+from shared.job_lifecycle import AppendReply, AppendRequest, AppendStatus, EventAppender, JobState
+from shared.redis_keys import RedisKeys
 from worker.engine.engine import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-_SOCKET_TIMEOUT_S = 5.0
+_SOCKET_TIMEOUT_S = 2.0
+_RETRY_INTERVAL_S = 0.25
+
+
+class PublishOutcome(StrEnum):
+    DONE = "done"  # the final event is in the log (or the job ended with nothing to say)
+    LOST = "lost"  # the job is not this worker's any more
+
+
+@dataclass
+class _Outbox:
+    """One job's events: all it sent (for refilling a gap) and those not yet written."""
+
+    epoch: int
+    future: asyncio.Future[PublishOutcome]
+    sent: dict[int, bytes] = field(default_factory=dict)
+    unsent: list[tuple[int, bytes]] = field(default_factory=list)
+    final_state: JobState | None = None
+    is_done: bool = False
+
+    def add(self, output: RequestOutput) -> None:
+        for event in output.events:
+            payload = encode_event(event)
+            self.sent[event.seq] = payload
+            self.unsent.append((event.seq, payload))
+            if isinstance(event, EndEvent):
+                self.final_state = JobState.FINISHED
+            elif isinstance(event, ErrorEvent):
+                self.final_state = JobState.FAILED
+        self.is_done = self.is_done or output.is_done
 
 
 class EventPublisher:
-    def __init__(self, redis_url: str, async_redis: Redis, keys: RedisKeys) -> None:
-        self._sync = redis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=_SOCKET_TIMEOUT_S)
-        self._async = async_redis
-        self._keys = keys
+    def __init__(self, redis_url: str, keys: RedisKeys) -> None:
+        client = redis.Redis.from_url(
+            redis_url, socket_connect_timeout=_SOCKET_TIMEOUT_S, socket_timeout=_SOCKET_TIMEOUT_S
+        )
+        self._client = client
+        self._appender = EventAppender(client, keys)
         self._loop = asyncio.get_running_loop()
-        self._done: dict[str, asyncio.Future[None]] = {}
+        self._lock = threading.Lock()
+        self._outboxes: dict[str, _Outbox] = {}
+        self._failing_since: float | None = None
+        self._retry_wanted = threading.Event()
+        self._closed = False
+        self._retry_thread = threading.Thread(target=self._retry_forever, name="relaylm-publish-retry", daemon=True)
+        self._retry_thread.start()
 
-    def expect(self, job_id: str) -> asyncio.Future[None]:
-        """A future that resolves when the job's final event has been published."""
-        future = self._loop.create_future()
-        self._done[job_id] = future
+    def expect(self, job_id: str, epoch: int) -> asyncio.Future[PublishOutcome]:
+        """Start publishing a job this worker claimed under ``epoch``; the future resolves once
+        its final event is written, or the job turns out not to be ours."""
+        future: asyncio.Future[PublishOutcome] = self._loop.create_future()
+        with self._lock:
+            self._outboxes[job_id] = _Outbox(epoch, future)
         return future
+
+    def forget(self, job_id: str) -> None:
+        """Stop publishing for a job (its runner gave it up); later events of it are dropped."""
+        with self._lock:
+            self._outboxes.pop(job_id, None)
 
     def sink(self, outputs: list[RequestOutput]) -> None:
         """The engine's sink, called on the engine thread once per step."""
-        try:
-            pipe = self._sync.pipeline(transaction=False)
+        with self._lock:
             for output in outputs:
-                self._queue_output(pipe, output)
-            pipe.execute()
-        except RedisError:
-            # The API notices the silence (liveness checks) and ends the stream with an error.
-            logger.exception("publishing %d job outputs failed", len(outputs))
-        finished = [output.request_id for output in outputs if output.is_done]
-        if finished:
-            self._loop.call_soon_threadsafe(self._resolve, finished)
+                box = self._outboxes.get(output.request_id)
+                if box is not None:
+                    box.add(output)
+            self._flush()
 
     async def publish(self, output: RequestOutput) -> None:
-        """Publish events made on the event loop (a job rejected before it reached the engine)."""
-        try:
-            async with self._async.pipeline(transaction=False) as pipe:
-                self._queue_output(pipe, output)
-                await pipe.execute()
-        except RedisError:
-            logger.exception("publishing events of job %s failed", output.request_id)
-        if output.is_done:
-            self._resolve([output.request_id])
-
-    def _queue_output(self, pipe: Any, output: RequestOutput) -> None:
-        """Each event goes into the job's log (replay, gaps, resuming elsewhere) and out live."""
-        if not output.events:
-            return
-        log, channel = self._keys.job_event_log(output.request_id), self._keys.job_events_channel(output.request_id)
-        for event in output.events:
-            payload = encode_event(event)
-            pipe.xadd(log, {"e": payload}, maxlen=JOB_LOG_MAX_EVENTS, approximate=True)
-            pipe.publish(channel, payload)
-        pipe.expire(log, JOB_LOG_TTL_S)
+        """Events made on the event loop (a job rejected before it reached the engine)."""
+        await asyncio.to_thread(self.sink, [output])
 
     def close(self) -> None:
-        self._sync.close()
+        self._closed = True
+        self._retry_wanted.set()
+        self._client.close()
 
-    def _resolve(self, job_ids: list[str]) -> None:
-        for job_id in job_ids:
-            future = self._done.pop(job_id, None)
-            if future is not None and not future.done():
-                future.set_result(None)
+    # -- writing (lock held) ------------------------------------------------------------------
+    def _flush(self) -> None:
+        pending = [(job_id, box) for job_id, box in self._outboxes.items() if box.unsent or box.is_done]
+        if not pending:
+            return
+        requests = [AppendRequest(job_id, box.epoch, list(box.unsent), box.final_state) for job_id, box in pending]
+        try:
+            replies = self._appender.append(requests)
+        except RedisError as exc:
+            if self._failing_since is None:
+                logger.warning("writing events of %d jobs failed (%s); retrying until Redis answers", len(pending), exc)
+                self._failing_since = time.monotonic()
+            self._retry_wanted.set()
+            return
+        if self._failing_since is not None:
+            logger.info("events written again after %.1f s", time.monotonic() - self._failing_since)
+            self._failing_since = None
+        for (job_id, box), reply in zip(pending, replies, strict=True):
+            self._settle(job_id, box, reply)
+
+    def _settle(self, job_id: str, box: _Outbox, reply: AppendReply) -> None:
+        if reply.status is AppendStatus.REFUSED:
+            logger.info("job %s: events refused (cancelled, or moved on without this worker); stopping it", job_id)
+            self._finish(job_id, box, PublishOutcome.LOST)
+        elif reply.status is AppendStatus.GAP:
+            missing = [(seq, payload) for seq, payload in sorted(box.sent.items()) if seq >= reply.next_seq]
+            logger.warning("job %s: its log lost events from %d on; writing them again", job_id, reply.next_seq)
+            box.unsent = missing
+            self._retry_wanted.set()
+        else:
+            box.unsent = []
+            if box.is_done:
+                self._finish(job_id, box, PublishOutcome.DONE)
+
+    def _finish(self, job_id: str, box: _Outbox, outcome: PublishOutcome) -> None:
+        self._outboxes.pop(job_id, None)
+        self._loop.call_soon_threadsafe(_resolve, box.future, outcome)
+
+    def _retry_forever(self) -> None:
+        while not self._closed:
+            self._retry_wanted.wait()
+            self._retry_wanted.clear()
+            if self._closed:
+                return
+            time.sleep(_RETRY_INTERVAL_S)
+            with self._lock:
+                self._flush()
+
+
+def _resolve(future: asyncio.Future[PublishOutcome], outcome: PublishOutcome) -> None:
+    if not future.done():
+        future.set_result(outcome)

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable
 
 from redis.asyncio import Redis
@@ -29,6 +30,7 @@ class WorkerRegistration:
         self._interval_s = interval_s
         self.info = WorkerInfo(
             worker_id=worker_id,
+            instance=uuid.uuid4().hex,
             model=model,
             task=task,
             state="loading",

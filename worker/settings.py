@@ -82,10 +82,20 @@ class WorkerSettings(CommonSettings):
         ge=0,
         description="Engine slots batch lines never take, kept for interactive requests (default: half).",
     )
-    poll_delay_s: float = Field(default=0.5, gt=0, description="arq queue poll period when no wake-up ping arrives.")
+    poll_delay_s: float = Field(default=0.5, gt=0, description="Queue poll period when no wake-up ping arrives.")
     job_timeout_s: int = Field(default=3600, ge=1, description="Longest a single job may run.")
     drain_timeout_s: float = Field(
-        default=30.0, ge=0, description="On SIGTERM: how long running jobs may finish before they are aborted."
+        default=30.0,
+        ge=0,
+        description="On SIGTERM: how long running jobs may finish before they are handed back to the queue.",
+    )
+    num_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Torch threads for this worker; default: the host's available cores divided by the live workers "
+            "on this host, re-checked as workers come and go."
+        ),
     )
     log_level: str = Field(default="INFO", description="Python log level.")
 

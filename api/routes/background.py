@@ -10,21 +10,20 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.routing import APIRouter
-from redis.asyncio import Redis
 
-from api.background_jobs import job_summary
-from api.batch_runner import BatchRunner
-from api.detached_jobs import DetachedJobs
+from api.batches.runner import BatchRunner
+from api.jobs.background import job_summary
+from api.jobs.detached import DetachedJobs
 from api.routes.chat import ERROR_RESPONSES
 from shared.errors import ErrorKind, RelayError
+from shared.job_lifecycle import JobLifecycle
 from shared.jobs import ChatJob, decode_job
-from shared.redis_keys import RedisKeys
 
 router = APIRouter()
 
 
-async def _background_job(redis: Redis, keys: RedisKeys, job_id: str) -> ChatJob:
-    payload = await redis.get(keys.job_request(job_id))
+async def _background_job(lifecycle: JobLifecycle, job_id: str) -> ChatJob:
+    payload = await lifecycle.payload(job_id)
     job = decode_job(payload) if payload is not None else None
     if not isinstance(job, ChatJob) or not job.request.background:
         raise RelayError(ErrorKind.NOT_FOUND, f"No background chat completion `{job_id}` (or it expired).")
@@ -49,7 +48,7 @@ async def get_background(request: Request, job_id: str) -> dict[str, Any]:
     raw = await redis.get(keys.job_result(job_id))
     if raw is not None:
         return _from_record(job_id, json.loads(raw), None)
-    job = await _background_job(redis, keys, job_id)
+    job = await _background_job(state.lifecycle, job_id)
     jobs: DetachedJobs = state.detached_jobs
     current = (await jobs.states([job_id]))[job_id]
     if current.outcome is None:
@@ -71,9 +70,8 @@ async def cancel_background(request: Request, job_id: str) -> dict[str, Any]:
     raw = await redis.get(keys.job_result(job_id))
     if raw is not None:
         return _from_record(job_id, json.loads(raw), None)  # already over: nothing to cancel
-    job = await _background_job(redis, keys, job_id)
-    jobs: DetachedJobs = state.detached_jobs
-    await jobs.cancel([job_id])
+    job = await _background_job(state.lifecycle, job_id)
+    await state.lifecycle.cancel([job_id])
     runner: BatchRunner = state.batch_runner
     await runner.store_result(job_id, "cancelled", None, job_summary(job, "cancelled"))
     return job_summary(job, "cancelled")
@@ -86,8 +84,9 @@ async def delete_background(request: Request, job_id: str) -> dict[str, Any]:
     state = request.app.state
     redis, keys = state.redis, state.settings.keys
     if await redis.get(keys.job_result(job_id)) is None:
-        await _background_job(redis, keys, job_id)  # 404 unless it exists
+        await _background_job(state.lifecycle, job_id)  # 404 unless it exists
         raise RelayError(ErrorKind.CONFLICT, f"Chat completion `{job_id}` is still running; cancel it first.")
     # The request and event log go too, so the job is gone for good (not collected again).
-    await redis.delete(keys.job_result(job_id), keys.job_request(job_id), keys.job_event_log(job_id))
+    await redis.delete(keys.job_result(job_id))
+    await state.lifecycle.delete(job_id)
     return {"id": job_id, "object": "chat.completion.deleted", "deleted": True}

@@ -7,8 +7,8 @@ import uuid
 
 from fastapi import APIRouter, Query, Request
 
-from api.batch_store import BatchStore
-from api.file_store import FileStore
+from api.batches.file_store import FileStore
+from api.batches.store import BatchStore
 from api.routes.chat import ERROR_RESPONSES
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import TERMINAL_STATUSES, Batch, BatchList, CreateBatchRequest

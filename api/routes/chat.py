@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from api.background_jobs import submit_background
-from api.chat_completion import collect_completion
-from api.chat_render import sse_chunks, sse_response
-from api.job_stream import ClientDisconnected, JobStream
-from api.job_submitter import JobSubmitter, SubmittableRequest
+from api.jobs.background import submit_background
+from api.jobs.stream import ClientDisconnected, JobStream
+from api.jobs.submitter import JobSubmitter, SubmittableRequest
+from api.render.chat import collect_completion
+from api.render.chat_stream import sse_chunks, sse_response
 from api.settings import ApiSettings
 from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from api.chat_render import sse_response
-from api.completion_render import collect_text_completion, sse_completion_chunks
-from api.job_stream import ClientDisconnected
-from api.job_submitter import JobSubmitter
+from api.jobs.stream import ClientDisconnected
+from api.jobs.submitter import JobSubmitter
+from api.render.chat_stream import sse_response
+from api.render.completion import collect_text_completion, sse_completion_chunks
 from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, start_stream
 from shared.openai.completion_request import CompletionRequest
 from shared.openai.completion_response import Completion

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 
-from api.file_store import FileStore
+from api.batches.file_store import FileStore
 from api.routes.chat import ERROR_RESPONSES
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import FileDeleted, FileList, FileObject

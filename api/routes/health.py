@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
-from api.worker_directory import WorkerDirectory
+from api.jobs.worker_directory import WorkerDirectory
 
 router = APIRouter()
 

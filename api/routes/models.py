@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from api.worker_directory import WorkerDirectory
+from api.jobs.worker_directory import WorkerDirectory
 from shared.openai.models import ModelCard, ModelList
 
 router = APIRouter()

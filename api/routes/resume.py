@@ -8,9 +8,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Header, Request
 from sse_starlette import EventSourceResponse
 
-from api.chat_render import sse_chunks, sse_response
-from api.completion_render import sse_completion_chunks
-from api.job_submitter import JobSubmitter
+from api.jobs.submitter import JobSubmitter
+from api.render.chat_stream import sse_chunks, sse_response
+from api.render.completion import sse_completion_chunks
 from api.routes.chat import ERROR_RESPONSES
 from shared.errors import ErrorKind, RelayError
 from shared.jobs import ChatJob, CompletionJob

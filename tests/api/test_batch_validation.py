@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.batch_validation import validate_batch_file
+from api.batches.validation import validate_batch_file
 
 KNOWN = {"tiny"}.__contains__
 

@@ -1,6 +1,6 @@
 """Event ordering in the API's job stream against a real Redis: duplicates dropped, gaps filled
 from the job's event log, and reported when the log does not have them either; a silent stream
-reads what pub/sub dropped from the log, and ends when the job's run ended without a result."""
+reads what pub/sub dropped from the log; bytes that are not an event end the stream."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ import asyncio
 import uuid
 
 import pytest
-from arq.constants import result_key_prefix
+import redis as sync_redis
 from redis.asyncio import Redis
 
-from api.job_stream import JobStream
+from api.jobs.event_router import EventRouter
+from api.jobs.stream import JobStream, StreamServices
+from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
 from api.request_metrics import RequestObserver
 from api.settings import ApiSettings
 from shared.errors import ErrorKind, RelayError
 from shared.events import AnyEvent, DeltaEvent, EndEvent, StartEvent, UsageCounts, encode_event
+from shared.job_lifecycle import AppendRequest, EventAppender, JobLifecycle, JobState
 from shared.jobs import ChatJob
 from shared.openai.chat_request import ChatCompletionRequest
 from shared.redis_keys import RedisKeys
@@ -24,40 +27,34 @@ from shared.redis_keys import RedisKeys
 JOB_ID = "chatcmpl-test"
 
 
-class _Submitter:
-    """The parts of JobSubmitter a stream reads before it would ask about workers."""
-
-    def __init__(self, redis: Redis, keys: RedisKeys, liveness_check_interval_s: float) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.settings = ApiSettings(liveness_check_interval_s=liveness_check_interval_s, no_worker_grace_s=30.0)
-
-
 async def _stream(
     redis_url: str,
-    live: list[AnyEvent],
+    live: list[AnyEvent | bytes],
     logged: list[AnyEvent],
     backlog: list[AnyEvent] | None = None,
     next_seq: int = 0,
     liveness_check_interval_s: float = 30.0,
-    arq_result: bool = False,
 ) -> JobStream:
-    """``arq_result``: the job's arq run is over (arq stored its result)."""
+    """A running job whose worker wrote ``logged`` and whose channel brought ``live``."""
     redis = Redis.from_url(redis_url)
     keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
-    if arq_result:
-        await redis.set(keys.job_arq_id(JOB_ID), f"{keys.prefix}-arq")
-        await redis.set(f"{result_key_prefix}{keys.prefix}-arq", b"done")
-    for event in logged:
-        await redis.xadd(keys.job_event_log(JOB_ID), {"e": encode_event(event)})
+    lifecycle = JobLifecycle(redis, keys)
+    await lifecycle.create(JOB_ID, b"{}", "m", keys.queue("m"))
+    claim = await lifecycle.claim(keys.queue("m"), "w", "i")
+    assert claim is not None
+    if logged:
+        appender = EventAppender(sync_redis.Redis.from_url(redis_url), keys)
+        final = JobState.FINISHED if isinstance(logged[-1], EndEvent) else None
+        appender.append([AppendRequest(JOB_ID, claim.epoch, [(e.seq, encode_event(e)) for e in logged], final)])
     queue: asyncio.Queue[bytes] = asyncio.Queue()
-    for event in live:
-        queue.put_nowait(encode_event(event))
+    for item in live:
+        queue.put_nowait(item if isinstance(item, bytes) else encode_event(item))
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
     job = ChatJob(job_id=JOB_ID, created=1, request=request)
     observer = RequestObserver(Metrics(), "m", arrived_at=0.0)
-    submitter = _Submitter(redis, keys, liveness_check_interval_s)
-    return JobStream(submitter, job, queue, None, observer, backlog, next_seq)  # type: ignore[arg-type]
+    settings = ApiSettings(liveness_check_interval_s=liveness_check_interval_s, no_worker_grace_s=30.0)
+    services = StreamServices(lifecycle, EventRouter(redis, keys), WorkerDirectory(redis, keys), settings)
+    return JobStream(services, job, queue, None, observer, backlog, next_seq)
 
 
 START = StartEvent(seq=0, worker_id="w", prompt_tokens=1)
@@ -95,10 +92,9 @@ async def test_a_lost_last_event_is_read_from_the_log_once_the_stream_falls_sile
         assert [event async for event in stream.events()] == [START, DELTA_1, DELTA_2, END]
 
 
-async def test_a_job_whose_run_ended_without_a_final_event_ends_the_stream(redis_url: str) -> None:
-    stream = await _stream(redis_url, [START], [START], None, 0, 0.2, arq_result=True)
+async def test_bytes_that_are_not_an_event_end_the_stream_with_an_error(redis_url: str) -> None:
+    stream = await _stream(redis_url, [START, b"\x80\x04junk", DELTA_1], [])
     assert await stream.next_event() == START
-    async with asyncio.timeout(5):
-        with pytest.raises(RelayError) as raised:
-            await stream.next_event()
-    assert raised.value.kind is ErrorKind.INTERNAL
+    with pytest.raises(RelayError) as raised:
+        await stream.next_event()
+    assert raised.value.kind is ErrorKind.EVENT_UNREADABLE

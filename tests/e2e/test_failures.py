@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from api.worker_directory import LIVE_ANSWER_REUSE_S
+from api.jobs.worker_directory import LIVE_ANSWER_REUSE_S
 from tests.conftest import TINY_MODEL
 from tests.support.stack import Stack
 

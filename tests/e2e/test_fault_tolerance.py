@@ -16,10 +16,11 @@ import redis
 
 from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.conftest import make_stack
+from tests.e2e.conftest import TWO_WORKER_MODEL
 from tests.support.stack import Stack, free_port
 
 pytestmark = pytest.mark.slow
-MODEL = "ft-tiny"
+MODEL = TWO_WORKER_MODEL
 BODY = {
     "model": MODEL,
     "messages": [{"role": "user", "content": "tell me everything"}],
@@ -44,27 +45,6 @@ def _text(data: list[str]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
 
 
-def _owner(stack: Stack, job_id: str) -> str | None:
-    client = redis.Redis.from_url(stack.redis_url)
-    try:
-        owner = client.get(stack.keys.job_owner(job_id))
-    finally:
-        client.close()
-    return owner.decode() if owner else None
-
-
-@pytest.fixture
-def two_workers(redis_url: str, log_dir: Path, tiny_model_path: Path) -> Iterator[Stack]:
-    stack = make_stack(redis_url, log_dir)
-    try:
-        stack.start_api()
-        for _ in range(2):
-            stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=1024)
-        yield stack
-    finally:
-        stack.stop()
-
-
 def test_a_killed_workers_stream_continues_on_the_other_without_gap_or_repeat(two_workers: Stack) -> None:
     body = {**BODY, "max_tokens": 700, "stream": True}
     undisturbed = httpx.post(f"{two_workers.base_url}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
@@ -76,10 +56,7 @@ def test_a_killed_workers_stream_continues_on_the_other_without_gap_or_repeat(tw
             data.append(payload)
             if len(data) == 5:
                 job_id = json.loads(payload)["id"]
-                owner = _owner(two_workers, job_id)
-                victim = next(
-                    w for i, w in enumerate(two_workers.workers) if owner == f"{two_workers.key_prefix}-worker{i}"
-                )
+                victim = two_workers.worker_of(job_id)
                 victim.popen.send_signal(signal.SIGKILL)
                 killed_at = time.monotonic()
             elif killed_at and not resumed_at:
@@ -123,8 +100,7 @@ def test_sigterm_drains_a_worker_and_the_api_lets_open_streams_finish(two_worker
         events = _events(response)
         _, first = next(events)
         job_id = json.loads(first)["id"]
-        owner = _owner(two_workers, job_id)
-        worker = next(w for i, w in enumerate(two_workers.workers) if owner == f"{two_workers.key_prefix}-worker{i}")
+        worker = two_workers.worker_of(job_id)
         worker.popen.send_signal(signal.SIGTERM)
         assert two_workers.api is not None
         two_workers.api.popen.send_signal(signal.SIGTERM)

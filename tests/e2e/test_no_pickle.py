@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import pickle
 import time
 import uuid
 from pathlib import Path
 
+import httpx
 import redis
-from arq.constants import job_key_prefix
-from arq.jobs import serialize_job
 
-from shared import serialization
-from shared.jobs import CHAT_JOB_FUNCTION
+from shared.job_lifecycle import JobLifecycle
 from tests.conftest import TINY_MODEL
 from tests.support.stack import Stack
 
@@ -35,24 +35,19 @@ def _wait_for_log(stack: Stack, text: str, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def _plant(stack: Stack, job_id: str, arq_record: bytes, request_payload: bytes | None = None) -> None:
-    client = redis.Redis.from_url(stack.redis_url)
+async def _plant_job(stack: Stack, job_id: str, payload: bytes) -> None:
+    client = redis.asyncio.Redis.from_url(stack.redis_url)
     try:
-        if request_payload is not None:
-            client.set(stack.keys.job_request(job_id), request_payload, ex=60)
-        client.psetex(job_key_prefix + job_id, 60_000, arq_record)
-        client.zadd(stack.keys.queue(TINY_MODEL), {job_id: 1})  # arq skips a falsy score
-        client.publish(stack.keys.queue_wake_channel(TINY_MODEL), b"")
+        await JobLifecycle(client, stack.keys).create(job_id, payload, TINY_MODEL, stack.keys.queue(TINY_MODEL))
     finally:
-        client.close()
+        await client.aclose()
 
 
-def test_a_pickled_arq_job_is_refused_not_executed(tiny_stack: Stack, tmp_path: Path) -> None:
-    marker = tmp_path / "pwned-by-arq-job"
+def test_a_pickled_request_payload_is_refused_not_executed(tiny_stack: Stack, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned-by-payload"
     job_id = f"planted-{uuid.uuid4().hex}"
-    record = pickle.dumps({"t": 1, "f": CHAT_JOB_FUNCTION, "a": [_Exploit(marker)], "k": {}, "et": 0})
-    _plant(tiny_stack, job_id, record)
-    assert _wait_for_log(tiny_stack, "refused a non-msgpack payload")
+    asyncio.run(_plant_job(tiny_stack, job_id, pickle.dumps(_Exploit(marker))))
+    assert _wait_for_log(tiny_stack, f"job {job_id}: refused a request payload")
     assert not marker.exists()
     reply = tiny_stack.client().chat.completions.create(
         model=TINY_MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2
@@ -60,10 +55,24 @@ def test_a_pickled_arq_job_is_refused_not_executed(tiny_stack: Stack, tmp_path: 
     assert reply.choices  # the worker still serves
 
 
-def test_a_pickled_request_payload_is_refused_not_executed(tiny_stack: Stack, tmp_path: Path) -> None:
-    marker = tmp_path / "pwned-by-payload"
-    job_id = f"planted-{uuid.uuid4().hex}"
-    record = serialize_job(CHAT_JOB_FUNCTION, (job_id,), {}, None, 0, serializer=serialization.serialize)
-    _plant(tiny_stack, job_id, record, request_payload=pickle.dumps(_Exploit(marker)))
-    assert _wait_for_log(tiny_stack, f"job {job_id}: refused a request payload")
+def test_a_pickle_published_on_a_jobs_channel_ends_its_stream_and_runs_nothing(
+    tiny_stack: Stack, tmp_path: Path
+) -> None:
+    marker = tmp_path / "pwned-by-event"
+    body = {
+        "model": TINY_MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True,
+        "max_tokens": 400, "ignore_eos": True,
+    }  # fmt: skip
+    data: list[str] = []
+    with httpx.stream("POST", f"{tiny_stack.base_url}/v1/chat/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data.append(line[6:])
+                if len(data) == 2:
+                    job_id = json.loads(data[-1])["id"]
+                    client = redis.Redis.from_url(tiny_stack.redis_url)
+                    client.publish(tiny_stack.keys.job_events_channel(job_id), pickle.dumps(_Exploit(marker)))
+                    client.close()
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"]["code"] == "event_unreadable"
     assert not marker.exists()

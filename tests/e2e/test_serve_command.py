@@ -14,45 +14,102 @@ import openai
 import psutil
 import pytest
 
+from relaylm.supervisor import RestartBackoff, describe_exit
 from tests.support.stack import free_port
 
 pytestmark = pytest.mark.slow
 
 
-def _wait_for(path: Path, text: str, process: subprocess.Popen[bytes], timeout_s: float = 120) -> str:
+def _wait_for(path: Path, text: str, process: subprocess.Popen[bytes], timeout_s: float = 120, count: int = 1) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         log = path.read_text(errors="replace")
-        if text in log:
+        if log.count(text) >= count:
             return log
         if process.poll() is not None:
             raise AssertionError(f"serve exited early:\n{log}")
         time.sleep(0.2)
-    raise AssertionError(f"{text!r} never appeared:\n{path.read_text(errors='replace')}")
+    raise AssertionError(f"{text!r} never appeared {count} time(s):\n{path.read_text(errors='replace')}")
 
 
-def test_serve_runs_everything_and_ctrl_c_stops_it(tiny_model_path: Path, tmp_path: Path) -> None:
-    api_port, redis_port = free_port(), free_port()
-    log_path = tmp_path / "serve.log"
+def _start_serve(tiny_model_path: Path, log_path: Path, api_port: int, redis_port: int) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAYLM_") and k != "REDIS_URL"}
     command = [sys.executable, "-m", "relaylm", "serve", "--port", str(api_port)]
     command += ["--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--model", str(tiny_model_path)]
     command += ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256"]
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _stop_serve(process: subprocess.Popen[bytes]) -> None:
+    """Ctrl-C, so that serve stops its children too; kill only if that hangs."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=45)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _child(process: subprocess.Popen[bytes], role: str) -> psutil.Process:
+    children = psutil.Process(process.pid).children()
+    return next(child for child in children if f"relaylm {role}" in " ".join(child.cmdline()))
+
+
+def _chat(api_port: int) -> str | None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    return reply.choices[0].finish_reason
+
+
+def test_serve_runs_everything_and_ctrl_c_stops_it(tiny_model_path: Path, tmp_path: Path) -> None:
+    api_port, redis_port = free_port(), free_port()
+    log_path = tmp_path / "serve.log"
+    process = _start_serve(tiny_model_path, log_path, api_port, redis_port)
     try:
         banner = _wait_for(log_path, "relaylm serve: ready", process)
         assert f"redis://127.0.0.1:{redis_port}/0  (started here" in banner
         assert f"http://127.0.0.1:{api_port}/v1" in banner
         children = psutil.Process(process.pid).children(recursive=True)
         assert len(children) == 3  # redis-server, worker, API
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api_port}/v1", api_key="x", max_retries=0)
-        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
-        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert _chat(api_port) in ("stop", "length")
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=45) == 0
         _, alive = psutil.wait_procs(children, timeout=10)
         assert alive == []
     finally:
-        if process.poll() is None:
-            process.kill()
+        _stop_serve(process)
+
+
+def test_serve_restarts_a_killed_worker_while_the_api_keeps_serving(tiny_model_path: Path, tmp_path: Path) -> None:
+    api_port, redis_port = free_port(), free_port()
+    log_path = tmp_path / "serve.log"
+    process = _start_serve(tiny_model_path, log_path, api_port, redis_port)
+    try:
+        _wait_for(log_path, "relaylm serve: ready", process)
+        api, worker = _child(process, "api"), _child(process, "worker")
+        worker.send_signal(signal.SIGKILL)
+        log = _wait_for(log_path, "relaylm serve: the worker restarted", process, timeout_s=30)
+        reason = "the worker exited with code -9 (killed by SIGKILL); restarting in 1.0 s (restart 1)"
+        assert f"relaylm serve: {reason}" in log
+        _wait_for(log_path, "relaylm serve: ready", process, timeout_s=60, count=2)
+        assert _chat(api_port) in ("stop", "length")
+        assert _child(process, "api").pid == api.pid and api.is_running()
+        assert _child(process, "worker").pid != worker.pid
+        assert "the api exited" not in log_path.read_text(errors="replace")
+    finally:
+        _stop_serve(process)
+
+
+def test_restart_backoff_doubles_to_its_cap_and_resets_after_a_stable_run() -> None:
+    backoff = RestartBackoff(first_s=1.0, max_s=30.0, stable_after_s=60.0)
+    quick = [backoff.next_delay_s(uptime_s=2.0) for _ in range(7)]
+    assert quick == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert backoff.next_delay_s(uptime_s=60.0) == 1.0
+    assert backoff.next_delay_s(uptime_s=0.5) == 2.0
+
+
+def test_exit_codes_name_the_signal() -> None:
+    assert describe_exit(1) == "code 1"
+    assert describe_exit(-signal.SIGKILL) == "code -9 (killed by SIGKILL)"
+    assert describe_exit(-signal.SIGSEGV) == "code -11 (killed by SIGSEGV)"

@@ -147,6 +147,20 @@ class Stack:
             client.close()
         return WorkerInfo.model_validate_json(raw) if raw else None
 
+    def job_owner(self, job_id: str) -> str | None:
+        """The worker id that runs the job now (None while it is queued or after it ended)."""
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            owner = client.hget(self.keys.job(job_id), "owner")
+        finally:
+            client.close()
+        return owner.decode() if owner else None
+
+    def worker_of(self, job_id: str) -> Process:
+        """The worker process that runs the job now."""
+        owner = self.job_owner(job_id)
+        return next(w for i, w in enumerate(self.workers) if owner == f"{self.key_prefix}-worker{i}")
+
     def client(self, **kwargs: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kwargs)  # type: ignore[arg-type]
 

@@ -50,6 +50,7 @@ class EmbeddingEngine:
         self._stopping = threading.Event()
         self.max_running = _MAX_CONCURRENT_JOBS
         self.num_batches = 0
+        self.before_step: Callable[[], None] | None = None  # run on the loop's thread before each batch
 
     def submit(self, work: EmbeddingWork) -> None:
         self._inbox.put(work)
@@ -70,6 +71,8 @@ class EmbeddingEngine:
 
     def run_forever(self) -> None:
         while not self._stopping.is_set():
+            if self.before_step is not None:
+                self.before_step()
             try:
                 first = self._inbox.get(timeout=0.5)
             except queue.Empty:

@@ -80,6 +80,7 @@ class LLMEngine:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self.before_step: Callable[[], None] | None = None  # run on the loop's thread before each step
 
     # -- API for jobs (any thread) --------------------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
@@ -123,6 +124,8 @@ class LLMEngine:
     def run_forever(self) -> None:
         """The engine loop; returns after ``stop``."""
         while not self._stopping.is_set():
+            if self.before_step is not None:
+                self.before_step()
             try:
                 did_work = self.run_step()
             except Exception:

@@ -15,12 +15,15 @@ import uuid
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from shared.connection import COMMAND_TIMEOUT_S
 from shared.errors import ErrorKind, RelayError
 from shared.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
 
-_SUBSCRIBE_TIMEOUT_S = 5.0
+_SUBSCRIBE_TIMEOUT_S = COMMAND_TIMEOUT_S
+# Reads poll: a blocking read would hit the connection's command timeout whenever no job talks.
+_READ_POLL_S = 1.0
 _RETRY_DELAY_S = 0.5
 
 
@@ -73,7 +76,7 @@ class EventRouter:
             try:
                 await self._pubsub.subscribe(self._home_channel)
                 while True:
-                    message = await self._pubsub.get_message(timeout=None)
+                    message = await self._pubsub.get_message(timeout=_READ_POLL_S)
                     if message is not None:
                         self._route(message)
             except RedisError as exc:

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import Request
 
-from api.job_submitter import JobSubmitter, make_job, without_unknown_fields
+from api.jobs.submitter import JobSubmitter, make_job, without_unknown_fields
 from shared.jobs import ChatJob
 from shared.openai.chat_request import ChatCompletionRequest
 

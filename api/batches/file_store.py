@@ -8,7 +8,7 @@ import uuid
 
 from redis.asyncio import Redis
 
-from api.record_index import page_of_records
+from api.batches.record_index import page_of_records
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import FileObject, FilePurpose
 from shared.redis_keys import RedisKeys

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import anyio
 from sse_starlette.sse import AppStatus
 
-from api.chat_render import DONE, to_usage
-from api.job_stream import JobEvents, JobStream
+from api.jobs.stream import JobEvents, JobStream
+from api.render.chat_stream import DONE, to_usage
 from shared.errors import ErrorKind, RelayError
 from shared.events import DeltaEvent, EndEvent, ErrorEvent
 from shared.openai.chat_response import Usage

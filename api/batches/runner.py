@@ -3,10 +3,11 @@ runs one; all state is in Redis and a per-batch lock picks who advances a batch,
 restart (or a second API process) carries on where the last one stopped.
 
 One advance of an in-progress batch: collect the lines whose jobs ended (a dead worker's line is
-requeued, up to ``JOB_MAX_ATTEMPTS``), then enqueue pending lines up to ``batch_concurrency``
-on the model's batch queue, which workers serve only with capacity to spare. Each line's result
-is written once (``HSETNX`` by line number), so a line appears exactly once in the output or the
-error file whatever restarts happen.
+requeued by the reaper, up to ``JOB_MAX_ATTEMPTS``), then enqueue pending lines up to
+``batch_concurrency`` on the model's batch queue, which workers serve only with capacity to
+spare. Each line's result is written once (``HSETNX`` by line number), so a line appears exactly
+once in the output or the error file whatever restarts happen. A line that cannot become a job
+gets an error record; a batch whose advance fails does not hold up the others.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from api.batch_store import BatchStore
-from api.batch_validation import REQUEST_MODELS, validate_batch_file
-from api.detached_jobs import DetachedJobs, JobOutcome
-from api.file_store import FileStore
-from api.job_submitter import JobSubmitter, make_job, without_unknown_fields
+from api.batches.file_store import FileStore
+from api.batches.store import BatchStore
+from api.batches.validation import REQUEST_MODELS, validate_batch_file
+from api.jobs.detached import DetachedJobs, JobOutcome
+from api.jobs.reaper import JobReaper
+from api.jobs.submitter import JobSubmitter, make_job, without_unknown_fields
+from api.jobs.worker_directory import WorkerDirectory
 from api.settings import ApiSettings
-from api.worker_directory import WorkerDirectory
-from shared.errors import RelayError
+from shared.errors import ErrorKind, RelayError
+from shared.job_lifecycle import JobLifecycle, JobState
 from shared.jobs import decode_job
 from shared.openai.batch import (
     Batch,
@@ -69,8 +72,11 @@ class BatchRunner:
         jobs: DetachedJobs,
         submitter: JobSubmitter,
         directory: WorkerDirectory,
+        lifecycle: JobLifecycle,
     ) -> None:
         self._redis = redis
+        self._lifecycle = lifecycle
+        self._reaper = JobReaper(lifecycle, directory)
         self._keys = keys
         self._settings = settings
         self._batches = batches
@@ -99,11 +105,21 @@ class BatchRunner:
             await asyncio.sleep(self._settings.batch_poll_interval_s)
 
     async def tick(self) -> None:
+        await self._reaper.reap()
         await self.collect_background()
         for batch_id in await self._batches.active_ids():
-            async with self._batches.locked(batch_id) as held:
-                if held:
-                    await self.advance(batch_id)
+            try:
+                async with self._batches.locked(batch_id) as held:
+                    if held:
+                        await self.advance(batch_id)
+            except RedisError:
+                raise
+            except Exception:
+                logger.exception("batch %s: advancing it failed; failing it, the other batches go on", batch_id)
+                try:
+                    await self._fail_broken(batch_id)
+                except Exception:
+                    logger.exception("batch %s: could not mark it failed", batch_id)
 
     # -- background jobs ----------------------------------------------------------------------
     async def collect_background(self) -> None:
@@ -115,7 +131,7 @@ class BatchRunner:
                 await self.store_result(job_id, status, state.outcome, await self._summary(job_id, status))
 
     async def _summary(self, job_id: str, status: str) -> dict[str, Any]:
-        payload = await self._redis.get(self._keys.job_request(job_id))
+        payload = await self._lifecycle.payload(job_id)
         job = decode_job(payload) if payload is not None else None
         if job is None:
             return {"id": job_id, "object": "chat.completion", "status": status, "choices": []}
@@ -184,6 +200,14 @@ class BatchRunner:
         await self._batches.save(batch)
         logger.info("batch %s: %d requests for %s", batch.id, len(checked.lines), batch.model)
 
+    async def _fail_broken(self, batch_id: str) -> None:
+        """A batch whose advance raised (a bug, or data no check foresaw) ends failed instead of
+        failing again on every tick."""
+        batch = await self._batches.get(batch_id)
+        if batch.status in ("validating", "in_progress", "finalizing", "cancelling"):
+            await self._stop_lines(batch, "internal_error", "The batch failed inside the server.")
+            await self._fail(batch, [("internal_error", "The batch could not be processed; see the server log.")])
+
     async def _fail(self, batch: Batch, problems: list[tuple[str, str]]) -> None:
         batch.errors = BatchErrors(data=[BatchError(code=code, message=message) for code, message in problems])
         batch.status, batch.failed_at = "failed", int(time.time())
@@ -202,11 +226,20 @@ class BatchRunner:
         queue = keys.batch_queue(batch.model)
         for number, line in (await self._lines(batch, numbers)).items():
             request_id = f"{batch.id}-{number}"
-            request = REQUEST_MODELS[batch.endpoint].model_validate(line.body)
-            job = make_job(without_unknown_fields(request, request_id), request_id, is_ours=True)  # type: ignore[arg-type]
-            # An advance cut short after the enqueue but before the trim must not run a line twice.
-            if not await self._redis.exists(keys.job_request(job.job_id)):
-                await self._submitter.submit_detached(job, queue=queue, limit=_NO_LIMIT)
+            try:
+                request = REQUEST_MODELS[batch.endpoint].model_validate(line.body)
+                job = make_job(without_unknown_fields(request, request_id), request_id, is_ours=True)  # type: ignore[arg-type]
+                # An advance cut short after the enqueue but before the trim must not run a line twice.
+                if await self._lifecycle.record(job.job_id) is None:
+                    await self._submitter.submit_detached(job, queue=queue, limit=_NO_LIMIT)
+            except RedisError:
+                raise
+            except Exception as exc:
+                # One bad line must not stop its batch (or the batches behind it) on every tick.
+                logger.warning("batch %s line %d cannot run: %s", batch.id, number, exc)
+                written = error_line(line, "invalid_request", f"This request could not be run: {exc}")
+                await self._redis.hsetnx(keys.batch_errors(batch.id), str(number), written.model_dump_json())
+                continue
             await self._redis.hset(keys.batch_running(batch.id), str(number), job.job_id)
         await self._redis.ltrim(keys.batch_pending(batch.id), len(numbers), -1)
 
@@ -216,8 +249,7 @@ class BatchRunner:
         running = await self._running(batch)
         if not running:
             return
-        queue = keys.batch_queue(batch.model) if batch.model else None
-        states = await self._jobs.states(sorted(running.values()), queue)
+        states = await self._jobs.states(sorted(running.values()))
         lines = await self._lines(batch, list(running))
         for number, job_id in running.items():
             outcome = states[job_id].outcome
@@ -236,7 +268,11 @@ class BatchRunner:
         (an expired batch reports them); without, they are dropped (a cancelled batch)."""
         keys = self._keys
         running = await self._running(batch)
-        await self._jobs.cancel(list(running.values()))
+        if code is None:
+            await self._lifecycle.cancel(list(running.values()), "the batch was cancelled")
+        else:
+            for job_id in running.values():
+                await self._lifecycle.end(job_id, JobState.EXPIRED, ErrorKind.EXPIRED, message)
         pending = [int(raw) for raw in await self._redis.lrange(keys.batch_pending(batch.id), 0, -1)]
         if code is not None:
             lines = await self._lines(batch, [*running, *pending])

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 
 from redis.asyncio import Redis
 
-from api.record_index import page_of_records
+from api.batches.record_index import page_of_records
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import TERMINAL_STATUSES, Batch
 from shared.redis_keys import RedisKeys

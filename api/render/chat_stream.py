@@ -9,7 +9,7 @@ import anyio
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import AppStatus
 
-from api.job_stream import JobStream
+from api.jobs.stream import JobStream
 from api.settings import ApiSettings
 from shared.errors import RelayError
 from shared.events import DeltaEvent, EndEvent, ErrorEvent, UsageCounts

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from api.chat_render import logprob_entries, to_usage
-from api.job_stream import JobEvents
+from api.jobs.stream import JobEvents
+from api.render.chat_stream import logprob_entries, to_usage
 from shared.errors import ErrorKind, RelayError
 from shared.events import DeltaEvent, EndEvent, ErrorEvent
 from shared.openai.chat_response import (

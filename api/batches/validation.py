@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ValidationError
 
 from api.errors import validation_message
+from api.middleware import lone_surrogate_path
 from shared.openai.batch import BatchError, BatchInputLine
 from shared.openai.chat_request import ChatCompletionRequest
 from shared.openai.completion_request import CompletionRequest
@@ -95,6 +96,11 @@ def _parse_line(raw: str, number: int, report: Callable[..., None]) -> BatchInpu
         document = json.loads(raw)
     except ValueError as exc:
         report(number, "invalid_json_line", f"The line is not valid JSON: {exc}.")
+        return None
+    surrogate_at = lone_surrogate_path(document, [])
+    if surrogate_at is not None:
+        # Legal JSON text, but not Unicode: it could never be stored or sent on as UTF-8.
+        report(number, "invalid_request", "Text contains a lone UTF-16 surrogate.", ".".join(surrogate_at) or None)
         return None
     try:
         return BatchInputLine.model_validate(document)

@@ -1,0 +1,88 @@
+"""Jobs no client streams (background jobs, batch lines): how each one stands, and its response
+once it has ended, read from its event log with the same collectors a live request uses.
+
+A detached job whose worker died is requeued by the :class:`~api.jobs.reaper.JobReaper`, like
+any job. Any API process may look at any job: everything read is in Redis.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from api.jobs.stream import EventReplay
+from api.render.chat import collect_completion
+from api.render.completion import collect_text_completion
+from api.render.embeddings import collect_embeddings
+from shared.errors import ErrorKind, RelayError
+from shared.job_lifecycle import JobLifecycle, JobState
+from shared.jobs import AnyJob, ChatJob, CompletionJob, decode_job
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """A finished job's HTTP status and body: the response object, or an OpenAI error body."""
+
+    status_code: int
+    body: dict[str, Any]
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status_code == 200
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    status: str  # "queued", "in_progress" or "finished"
+    outcome: JobOutcome | None = None
+    state: JobState | None = None  # the lifecycle's final state, once finished
+
+
+def failure(error: RelayError) -> JobOutcome:
+    return JobOutcome(error.status, error.to_body())
+
+
+async def render_outcome(job: AnyJob, replay: EventReplay, reasoning_field: str) -> JobOutcome:
+    """The response a non-stream request would have received."""
+    response: BaseModel
+    try:
+        if isinstance(job, ChatJob):
+            response = await collect_completion(replay, reasoning_field)
+        elif isinstance(job, CompletionJob):
+            response = await collect_text_completion(replay)
+        else:
+            response = await collect_embeddings(replay, job.request.encoding_format)
+    except RelayError as exc:
+        return failure(exc)
+    return JobOutcome(200, response.model_dump(mode="json", exclude_none=True))
+
+
+class DetachedJobs:
+    def __init__(self, lifecycle: JobLifecycle, reasoning_field: str) -> None:
+        self._lifecycle = lifecycle
+        self._reasoning_field = reasoning_field
+
+    async def states(self, job_ids: list[str]) -> dict[str, JobStatus]:
+        """Where each job stands; an ended one with its outcome."""
+        if not job_ids:
+            return {}
+        statuses: dict[str, JobStatus] = {}
+        for job_id, record in (await self._lifecycle.records(job_ids)).items():
+            if record is None:
+                gone = RelayError(ErrorKind.INTERNAL, f"job {job_id} is gone from Redis (expired, or Redis lost it)")
+                statuses[job_id] = JobStatus("finished", failure(gone))
+            elif record.state.is_final:
+                statuses[job_id] = JobStatus("finished", await self._outcome(job_id), record.state)
+            else:
+                statuses[job_id] = JobStatus("in_progress" if record.state is JobState.RUNNING else "queued")
+        return statuses
+
+    async def _outcome(self, job_id: str) -> JobOutcome:
+        payload = await self._lifecycle.payload(job_id)
+        if payload is None:
+            return failure(RelayError(ErrorKind.INTERNAL, f"job {job_id} has no stored request (expired)"))
+        job = decode_job(payload)
+        events = await self._lifecycle.read_log(job_id)
+        return await render_outcome(job, EventReplay(job, events), self._reasoning_field)

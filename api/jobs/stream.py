@@ -1,0 +1,273 @@
+"""Read a job's events in order, and keep the job moving while it is silent.
+
+Events arrive on the job's pub/sub channel; the job's log fills whatever pub/sub dropped. While
+the job is silent the stream looks at the job's record once per ``liveness_check_interval_s``:
+events the log has and the channel lost are read back; a job whose owner died is requeued (or
+failed, after too many attempts or with no worker left) through the lifecycle, whose final event
+then arrives like any other. The stream raises :class:`RelayError` only for what it alone can
+see (unreadable bytes on the channel, a gap the log cannot fill, Redis not answering); callers
+render it once, as an HTTP error before the response started or as a stream error event after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from api.jobs.event_router import EventRouter
+from api.jobs.worker_directory import WorkerDirectory
+from api.request_metrics import RequestObserver
+from api.settings import ApiSettings
+from shared.errors import ErrorKind, RelayError
+from shared.events import AnyEvent, EndEvent, ErrorEvent, StartEvent, decode_event
+from shared.job_lifecycle import JobLifecycle, JobRecord, JobState
+from shared.jobs import AnyJob
+from shared.log_setup import log_transition
+
+logger = logging.getLogger(__name__)
+
+DisconnectProbe = Callable[[], Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class StreamServices:
+    """What a stream needs from its API process."""
+
+    lifecycle: JobLifecycle
+    router: EventRouter
+    directory: WorkerDirectory
+    settings: ApiSettings
+
+
+class JobEvents(Protocol):
+    """What the response collectors read: a live :class:`JobStream`, or an :class:`EventReplay`."""
+
+    job: AnyJob
+
+    @property
+    def job_id(self) -> str: ...
+
+    def events(self) -> AsyncIterator[AnyEvent]: ...
+
+    async def close(self) -> None: ...
+
+
+class EventReplay:
+    """A finished job's events read back from its log, for collecting a background job's or a
+    batch line's response with the same code as a live non-stream request."""
+
+    def __init__(self, job: AnyJob, events: list[AnyEvent]) -> None:
+        self.job = job
+        self._events = events
+
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
+    async def events(self) -> AsyncIterator[AnyEvent]:
+        for event in self._events:
+            yield event
+
+    async def close(self) -> None:
+        """Nothing to release: the job is over."""
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the job is cancelled and nothing more is sent."""
+
+
+def redis_unavailable(exc: RedisError) -> RelayError:
+    return RelayError(ErrorKind.REDIS_UNAVAILABLE, f"lost the connection to Redis ({exc})")
+
+
+class JobStream:
+    def __init__(
+        self,
+        services: StreamServices,
+        job: AnyJob,
+        queue: asyncio.Queue[bytes],
+        is_disconnected: DisconnectProbe | None,
+        observer: RequestObserver,
+        backlog: list[AnyEvent] | None = None,
+        next_seq: int = 0,
+        is_finished: bool = False,
+    ) -> None:
+        """``backlog``: events read from the job's log before going live (a reconnect), delivered
+        first; ``next_seq``: the first event the client still needs; ``is_finished``: the client
+        already has every event of an ended job."""
+        self._services = services
+        self.job = job
+        self._queue = queue
+        self._is_disconnected = is_disconnected
+        self._observer = observer
+        self._expected_seq = next_seq
+        self._backlog: deque[AnyEvent] = deque(e for e in backlog or [] if e.seq >= next_seq)
+        self._silent_since = time.monotonic()
+        self.is_finished = is_finished
+        self._closed = False
+
+    def stop_disconnect_probe(self) -> None:
+        """Once a streaming response has started, sse-starlette owns the disconnect signal."""
+        self._is_disconnected = None
+
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
+    async def next_event(self) -> AnyEvent:
+        """The next in-order event; raises RelayError for what the job's events cannot say."""
+        try:
+            event = await self._next_in_order()
+        except RedisError as exc:
+            event_error = redis_unavailable(exc)
+            self._observer.failed(event_error.spec.code or event_error.kind.value)
+            self._log("failed", code=event_error.spec.code)
+            raise event_error from exc
+        except RelayError as error:
+            self._observer.failed(error.spec.code or error.kind.value)
+            self._log("failed", code=error.spec.code)
+            raise
+        self._observer.observe(event)
+        if isinstance(event, StartEvent):
+            self._log("started", worker=event.worker_id, prompt_tokens=event.prompt_tokens)
+        elif isinstance(event, EndEvent):
+            self._log("finished", completion_tokens=event.usage.completion_tokens)
+        elif isinstance(event, ErrorEvent):
+            self._log("failed", code=event.kind.value)
+        return event
+
+    async def events(self) -> AsyncIterator[AnyEvent]:
+        while not self.is_finished:
+            yield await self.next_event()
+
+    async def close(self, keep_job: bool = False) -> None:
+        """Unsubscribe; a job that did not finish is cancelled so no worker wastes time on it,
+        unless it is resumable or ``keep_job`` (this API process is stopping): then it runs on for
+        a client that reconnects with Last-Event-ID, here or on another API process."""
+        if self._closed:
+            return
+        self._closed = True
+        services = self._services
+        await services.router.unsubscribe(services.lifecycle.keys.job_events_channel(self.job_id))
+        if self.is_finished or self.job.request.resumable or keep_job:
+            return
+        self._log("cancelled")
+        try:
+            await services.lifecycle.cancel([self.job_id])
+        except RedisError:
+            logger.warning("could not cancel job %s: Redis unavailable", self.job_id)
+
+    def _log(self, event: str, **fields: object) -> None:
+        log_transition(logger, event, self.job_id, self.job.request_id, **fields)
+
+    async def _next_in_order(self) -> AnyEvent:
+        while True:
+            event = self._backlog.popleft() if self._backlog else await self._next_live()
+            if event.seq < self._expected_seq:
+                continue  # a duplicate
+            if event.seq > self._expected_seq:
+                await self._fill_gap(event)
+                continue
+            self._expected_seq += 1
+            self._silent_since = time.monotonic()
+            if isinstance(event, EndEvent | ErrorEvent):
+                self.is_finished = True
+            return event
+
+    async def _next_live(self) -> AnyEvent:
+        interval_s = self._services.settings.liveness_check_interval_s
+        while True:
+            try:
+                async with asyncio.timeout(interval_s):
+                    payload = await self._queue.get()
+            except TimeoutError:
+                missed = await self._check_silence()
+                if missed:
+                    self._backlog.extend(missed[1:])
+                    return missed[0]
+                continue
+            return self._decode(payload)
+
+    def _decode(self, payload: bytes) -> AnyEvent:
+        """Anything but an event on the job's channel ends the stream with an error: the bytes
+        did not come from a worker, and guessing past them could show the client wrong text."""
+        try:
+            return decode_event(payload)
+        except (ValueError, ValidationError, TypeError) as exc:
+            logger.error(
+                "job %s: %d unreadable bytes on its channel (%s)", self.job_id, len(payload), type(exc).__name__
+            )
+            raise RelayError(
+                ErrorKind.EVENT_UNREADABLE, f"job {self.job_id} received bytes that are not an event"
+            ) from None
+
+    async def _fill_gap(self, arrived: AnyEvent) -> None:
+        """Pub/sub is at-most-once: events it dropped are read back from the job's log."""
+        logged = await self._services.lifecycle.read_log(self.job_id, self._expected_seq)
+        missing = [e for e in logged if e.seq < arrived.seq]
+        if len(missing) < arrived.seq - self._expected_seq:
+            raise RelayError(
+                ErrorKind.STREAM_GAP,
+                f"events {self._expected_seq}..{arrived.seq - 1} of job {self.job_id} were lost in transit",
+            )
+        logger.info("job %s: %d events missed on pub/sub, read from the log", self.job_id, len(missing))
+        self._backlog.extendleft(reversed([*missing, arrived]))
+
+    async def _check_silence(self) -> list[AnyEvent]:
+        """While the job is silent: is the client still there, did pub/sub lose events, and is
+        the job still being served? Returns the events the log has that the channel did not bring."""
+        if self._is_disconnected is not None and await self._is_disconnected():
+            raise ClientDisconnected()
+        lifecycle = self._services.lifecycle
+        record = await lifecycle.record(self.job_id)
+        if record is None:
+            raise RelayError(ErrorKind.INTERNAL, f"job {self.job_id} is gone from Redis (restarted without its data?)")
+        if record.next_seq > self._expected_seq:
+            missed = await lifecycle.read_log(self.job_id, self._expected_seq)
+            if missed:
+                logger.info("job %s: %d events missed on pub/sub, read from the log", self.job_id, len(missed))
+                return missed
+        if record.state.is_final:
+            raise RelayError(ErrorKind.INTERNAL, f"job {self.job_id} ended ({record.state}) but its log lost the end")
+        if record.state is JobState.RUNNING:
+            await self._check_owner(record)
+        else:
+            await self._check_queued(record)
+        return []
+
+    async def _check_owner(self, record: JobRecord) -> None:
+        directory, lifecycle = self._services.directory, self._services.lifecycle
+        if await directory.is_owner_alive(record):
+            return
+        self._silent_since = time.monotonic()
+        if not await directory.has_live_worker(record.model):
+            message = (
+                f"worker {record.owner} stopped responding while serving job {self.job_id}, and no other "
+                f"worker serves model `{record.model}`"
+            )
+            await lifecycle.end(self.job_id, JobState.FAILED, ErrorKind.WORKER_LOST, message, record.epoch)
+            return
+        outcome = await lifecycle.reclaim(record)
+        if outcome is JobState.QUEUED:
+            self._log("requeued", dead_worker=record.owner, attempt=record.attempts + 1)
+
+    async def _check_queued(self, record: JobRecord) -> None:
+        if await self._services.directory.has_live_worker(record.model):
+            self._silent_since = time.monotonic()
+            return
+        if time.monotonic() - self._silent_since < self._services.settings.no_worker_grace_s:
+            return
+        message = f"No live worker serves model `{record.model}` any more; the request could not finish."
+        ended = await self._services.lifecycle.end(
+            self.job_id, JobState.FAILED, ErrorKind.NO_LIVE_WORKER, message, param="model"
+        )
+        if not ended:
+            self._silent_since = time.monotonic()

@@ -1,0 +1,385 @@
+"""The one owner of a job's life: its states, and every transition between them.
+
+A job is a Redis hash (``RedisKeys.job``) plus its event log and live channel::
+
+    queued ──claim──▶ running ──append(final)──▶ finished | failed
+      ▲                  │
+      └────requeue───────┘   (its owner died, or handed it back while stopping)
+    queued | running ──end──▶ failed | cancelled | expired   (decided by an API process)
+
+Every transition is one Lua script, so it is atomic. ``claim`` gives the claiming worker a new
+**epoch**; every write a worker makes afterwards (``append``, ``requeue``) names that epoch and is
+refused once the job has moved on (taken over, cancelled, ended), so a paused or restarted
+worker can never write into a job it no longer owns. An ending transition always appends the
+job's final event (``end`` or ``error``) to its log in the same step: a reader that sees a
+final state finds the final event, and a stream reader waiting on the channel receives it.
+
+Events carry sequence numbers; the hash keeps ``next_seq``, and ``append`` accepts only the next
+one (earlier ones are duplicates of a retried write and skipped; a later one is a gap the writer
+fills from its own copy). The log's entry ids are ``<seq>-1`` so readers can start at any event.
+
+This replaces arq: fencing needs the claim, the owner and the epoch in one record, and arq's
+records would have to be rewritten by hand to get that (see README, "How a request travels").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+import redis as sync_redis
+from redis.asyncio import Redis
+
+from shared.errors import ErrorKind
+from shared.events import AnyEvent, ErrorEvent, decode_event, encode_event
+from shared.redis_keys import JOB_LOG_MAX_EVENTS, JOB_LOG_TTL_S, JOB_MAX_ATTEMPTS, JOB_RECORD_TTL_S, RedisKeys
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_final(self) -> bool:
+        return self not in (JobState.QUEUED, JobState.RUNNING)
+
+
+# KEYS: job, queue, queue's running set. ARGV: limit (0: none), payload, model, queue, now (ms),
+# score, wake channel, record TTL (s), job id. Returns 1, 0 (queue full) or -1 (id taken).
+_CREATE = """
+local limit = tonumber(ARGV[1])
+if limit > 0 and redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3]) >= limit then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'request', ARGV[2], 'model', ARGV[3], 'queue', ARGV[4],
+    'wake', ARGV[7], 'epoch', 0, 'attempts', 0, 'next_seq', 0, 'created_ms', ARGV[5], 'updated_ms', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[8])
+redis.call('ZADD', KEYS[2], ARGV[6], ARGV[9])
+redis.call('PUBLISH', ARGV[7], '')
+return 1
+"""
+
+# KEYS: queue, queue's running set, all running jobs. ARGV: job key prefix, worker id, worker
+# instance, now (ms). Takes the queue's first job that is still queued (a cancelled one is
+# dropped on the way); returns {id, epoch, attempt, next_seq, payload} or nil.
+_CLAIM = """
+for _ = 1, 64 do
+    local head = redis.call('ZRANGE', KEYS[1], 0, 0)
+    if #head == 0 then return false end
+    local id = head[1]
+    redis.call('ZREM', KEYS[1], id)
+    local job = ARGV[1] .. id
+    if redis.call('HGET', job, 'state') == 'queued' then
+        local epoch = redis.call('HINCRBY', job, 'epoch', 1)
+        local attempt = redis.call('HINCRBY', job, 'attempts', 1)
+        redis.call('HSET', job, 'state', 'running', 'owner', ARGV[2], 'owner_instance', ARGV[3], 'updated_ms', ARGV[4])
+        redis.call('ZADD', KEYS[2], ARGV[4], id)
+        redis.call('ZADD', KEYS[3], ARGV[4], id)
+        local fields = redis.call('HMGET', job, 'next_seq', 'request')
+        return {id, epoch, attempt, fields[1], fields[2]}
+    end
+end
+return false
+"""
+
+# KEYS: job, log, channel, all running jobs. ARGV: epoch, final state ('' if not final), log TTL
+# (s), job id, now (ms), max log length, then seq/payload pairs. Returns {1, next_seq} (written),
+# {0, -1} (refused: not this epoch's any more) or {2, next_seq} (a gap: resend from next_seq).
+_APPEND = """
+local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue')
+if f[1] ~= 'running' or f[2] ~= ARGV[1] then return {0, -1} end
+local next_seq = tonumber(f[3])
+for i = 7, #ARGV, 2 do
+    local seq = tonumber(ARGV[i])
+    if seq > next_seq then
+        redis.call('HSET', KEYS[1], 'next_seq', next_seq)
+        return {2, next_seq}
+    end
+    if seq == next_seq then
+        redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], seq .. '-1', 'e', ARGV[i + 1])
+        redis.call('PUBLISH', KEYS[3], ARGV[i + 1])
+        next_seq = seq + 1
+    end
+end
+redis.call('HSET', KEYS[1], 'next_seq', next_seq, 'updated_ms', ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+if ARGV[2] ~= '' then
+    redis.call('HSET', KEYS[1], 'state', ARGV[2])
+    redis.call('ZREM', KEYS[4], ARGV[4])
+    redis.call('ZREM', f[4] .. ':running', ARGV[4])
+end
+return {1, next_seq}
+"""
+
+# KEYS: job, all running jobs. ARGV: epoch, job id, now (ms). A running job goes back to the
+# front of its queue (its client is waiting). Returns 1, or 0 when the epoch is not current.
+_REQUEUE = """
+local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'queue', 'wake')
+if f[1] ~= 'running' or f[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'updated_ms', ARGV[3])
+redis.call('HDEL', KEYS[1], 'owner', 'owner_instance')
+redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('ZREM', f[3] .. ':running', ARGV[2])
+redis.call('ZADD', f[3], 0, ARGV[2])
+redis.call('PUBLISH', f[4], '')
+return 1
+"""
+
+# KEYS: job, log, channel, all running jobs. ARGV: final state, expected next_seq, final event,
+# log TTL (s), job id, now (ms), expected epoch ('' for any). Ends a queued or running job with
+# the given event. Returns 1, 0 (already ended, or another epoch by now), 2 (an event arrived
+# meanwhile: read next_seq again) or -1 (no such job).
+_END = """
+local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue')
+if not f[1] then return -1 end
+if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
+if ARGV[7] ~= '' and f[2] ~= ARGV[7] then return 0 end
+if f[3] ~= ARGV[2] then return 2 end
+redis.call('XADD', KEYS[2], ARGV[2] .. '-1', 'e', ARGV[3])
+redis.call('PUBLISH', KEYS[3], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'next_seq', tonumber(ARGV[2]) + 1, 'updated_ms', ARGV[6])
+redis.call('ZREM', f[4], ARGV[5])
+redis.call('ZREM', f[4] .. ':running', ARGV[5])
+redis.call('ZREM', KEYS[4], ARGV[5])
+return 1
+"""
+
+_FIELDS = ("state", "model", "queue", "epoch", "attempts", "next_seq", "owner", "owner_instance")
+_END_RETRIES = 8
+
+
+def _writing_keys(keys: RedisKeys, job_id: str) -> list[str]:
+    """The keys of the scripts that write events: the job, its log, its channel, the running set."""
+    return [keys.job(job_id), keys.job_event_log(job_id), keys.job_events_channel(job_id), keys.running_jobs()]
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A snapshot of a job's hash (without its request payload)."""
+
+    job_id: str
+    state: JobState
+    model: str
+    queue: str
+    epoch: int
+    attempts: int
+    next_seq: int
+    owner: str | None
+    owner_instance: str | None
+
+    @classmethod
+    def parse(cls, job_id: str, values: list[bytes | None]) -> JobRecord | None:
+        if values[0] is None:
+            return None
+        text = [value.decode() if value is not None else None for value in values]
+        return cls(
+            job_id=job_id,
+            state=JobState(text[0]),
+            model=text[1] or "",
+            queue=text[2] or "",
+            epoch=int(text[3] or 0),
+            attempts=int(text[4] or 0),
+            next_seq=int(text[5] or 0),
+            owner=text[6],
+            owner_instance=text[7],
+        )
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A job a worker now owns, under ``epoch``; ``attempt`` > 1 continues an earlier attempt."""
+
+    job_id: str
+    epoch: int
+    attempt: int
+    next_seq: int
+    payload: bytes
+
+
+class AppendStatus(StrEnum):
+    WRITTEN = "written"
+    REFUSED = "refused"  # the job is not this epoch's any more: stop working on it
+    GAP = "gap"  # the log lost events (a Redis restart): resend from ``next_seq``
+
+
+@dataclass(frozen=True)
+class AppendReply:
+    status: AppendStatus
+    next_seq: int
+
+
+class JobQueueFull(Exception):
+    """The model's queue holds its limit of queued and running jobs."""
+
+
+class JobLifecycle:
+    """Every transition of a job, for the API, the batch runner and workers (asyncio side)."""
+
+    def __init__(self, redis: Redis, keys: RedisKeys) -> None:
+        self._redis = redis
+        self._keys = self.keys = keys
+        self._create = redis.register_script(_CREATE)
+        self._claim = redis.register_script(_CLAIM)
+        self._requeue = redis.register_script(_REQUEUE)
+        self._end = redis.register_script(_END)
+
+    async def create(self, job_id: str, payload: bytes, model: str, queue: str, limit: int = 0) -> None:
+        """A new queued job; raises JobQueueFull past ``limit`` queued and running jobs (0: none)."""
+        keys, now = self._keys, now_ms()
+        created = await self._create(
+            keys=[keys.job(job_id), queue, keys.queue_running(queue)],
+            args=[limit, payload, model, queue, now, now, keys.queue_wake_channel(model), JOB_RECORD_TTL_S, job_id],
+        )
+        if created == 0:
+            raise JobQueueFull(model)
+        if created == -1:
+            raise ValueError(f"job id {job_id} is taken")
+
+    async def claim(self, queue: str, worker_id: str, instance: str) -> Claim | None:
+        keys = self._keys
+        reply = await self._claim(
+            keys=[queue, keys.queue_running(queue), keys.running_jobs()],
+            args=[keys.job_prefix, worker_id, instance, now_ms()],
+        )
+        if not reply:
+            return None
+        job_id, epoch, attempt, next_seq, payload = reply
+        return Claim(job_id.decode(), int(epoch), int(attempt), int(next_seq), bytes(payload))
+
+    async def record(self, job_id: str) -> JobRecord | None:
+        return (await self.records([job_id]))[job_id]
+
+    async def records(self, job_ids: list[str]) -> dict[str, JobRecord | None]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hmget(self._keys.job(job_id), _FIELDS)
+            replies = await pipe.execute()
+        return {job_id: JobRecord.parse(job_id, values) for job_id, values in zip(job_ids, replies, strict=True)}
+
+    async def payload(self, job_id: str) -> bytes | None:
+        raw = await self._redis.hget(self._keys.job(job_id), "request")
+        return bytes(raw) if raw is not None else None
+
+    async def running_job_ids(self) -> list[str]:
+        return [raw.decode() for raw in await self._redis.zrange(self._keys.running_jobs(), 0, -1)]
+
+    async def read_log(self, job_id: str, from_seq: int = 0) -> list[AnyEvent]:
+        """The job's events from ``from_seq`` on, in order."""
+        entries = await self._redis.xrange(self._keys.job_event_log(job_id), min=f"{max(from_seq, 0)}-1")
+        return [decode_event(fields[b"e"]) for _entry_id, fields in entries]
+
+    async def requeue(self, job_id: str, epoch: int) -> bool:
+        """Back to the front of its queue: its owner (of ``epoch``) died or handed it back."""
+        replied = await self._requeue(
+            keys=[self._keys.job(job_id), self._keys.running_jobs()], args=[epoch, job_id, now_ms()]
+        )
+        return bool(replied)
+
+    async def reclaim(self, record: JobRecord) -> JobState | None:
+        """A running job whose owner is gone: requeued, or failed after ``JOB_MAX_ATTEMPTS``.
+        None when the job moved on meanwhile (another process got there first)."""
+        if record.attempts >= JOB_MAX_ATTEMPTS:
+            message = f"job {record.job_id} lost its worker {record.attempts} times; giving up"
+            ended = await self.end(record.job_id, JobState.FAILED, ErrorKind.WORKER_LOST, message, record.epoch)
+            return JobState.FAILED if ended else None
+        return JobState.QUEUED if await self.requeue(record.job_id, record.epoch) else None
+
+    async def end(
+        self,
+        job_id: str,
+        state: JobState,
+        kind: ErrorKind,
+        message: str,
+        epoch: int | None = None,
+        param: str | None = None,
+    ) -> bool:
+        """End a queued or running job (of ``epoch``, if given) with an error event: failed,
+        cancelled or expired. False when it had already ended (or moved to another epoch)."""
+        keys = self._keys
+        for _ in range(_END_RETRIES):
+            record = await self.record(job_id)
+            if record is None or record.state.is_final:
+                return False
+            event = encode_event(ErrorEvent(seq=record.next_seq, kind=kind, message=message, param=param))
+            replied = await self._end(
+                keys=_writing_keys(keys, job_id),
+                args=[
+                    state.value, record.next_seq, event, JOB_LOG_TTL_S, job_id, now_ms(),
+                    "" if epoch is None else epoch,
+                ],
+            )  # fmt: skip
+            if replied != 2:
+                return bool(replied == 1)
+        return False
+
+    async def cancel(self, job_ids: list[str], message: str = "cancelled by the client") -> None:
+        """Cancel queued and running jobs; their workers learn it at their next write, or at once
+        from the cancel channel."""
+        for job_id in job_ids:
+            await self.end(job_id, JobState.CANCELLED, ErrorKind.CANCELLED, message)
+        if job_ids:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for job_id in job_ids:
+                    pipe.publish(self._keys.cancel_channel(), job_id.encode())
+                await pipe.execute()
+
+    async def track_background(self, job_id: str) -> None:
+        """A background job: API processes collect its result once it ends."""
+        await self._redis.sadd(self._keys.background_jobs(), job_id)
+
+    async def delete(self, job_id: str) -> None:
+        """Forget an ended job (its record and log)."""
+        await self._redis.delete(self._keys.job(job_id), self._keys.job_event_log(job_id))
+
+
+@dataclass(frozen=True)
+class AppendRequest:
+    """Events of one job from one engine step (each already encoded with its seq)."""
+
+    job_id: str
+    epoch: int
+    events: list[tuple[int, bytes]]
+    final_state: JobState | None
+
+
+class EventAppender:
+    """``append`` for a worker's engine thread, on a synchronous client: one pipelined round
+    trip per engine step, whatever the number of jobs in it."""
+
+    def __init__(self, redis: sync_redis.Redis, keys: RedisKeys) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._append = redis.register_script(_APPEND)
+
+    def append(self, requests: list[AppendRequest]) -> list[AppendReply]:
+        """Raises RedisError when Redis cannot be reached (nothing, some or all were written)."""
+        keys, now = self._keys, now_ms()
+        pipe = self._redis.pipeline(transaction=False)
+        for request in requests:
+            job_id = request.job_id
+            final = request.final_state.value if request.final_state is not None else ""
+            args: list[object] = [request.epoch, final, JOB_LOG_TTL_S, job_id, now, JOB_LOG_MAX_EVENTS]
+            for seq, payload in request.events:
+                args += [seq, payload]
+            self._append(
+                keys=_writing_keys(keys, job_id),
+                args=args,
+                client=pipe,
+            )  # fmt: skip
+        replies = pipe.execute()
+        return [_append_reply(reply) for reply in replies]
+
+
+def _append_reply(reply: list[int]) -> AppendReply:
+    code, next_seq = int(reply[0]), int(reply[1])
+    status = {1: AppendStatus.WRITTEN, 0: AppendStatus.REFUSED, 2: AppendStatus.GAP}[code]
+    return AppendReply(status, next_seq)

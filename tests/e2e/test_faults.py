@@ -1,0 +1,354 @@
+"""Fault injection: real Redis, API and worker processes, killed, paused and restarted under
+load. Under each fault every stream ends with its complete text, or with an OpenAI-shaped error
+event and ``[DONE]``, within 10 s of the fault (a frozen Redis: of its thaw); every batch line
+ends exactly once; no process writes to a job it does not own.
+
+Numbers in the test names refer to the cases of the job-lifecycle issue; README's "What
+survives what" table quotes what these tests measure.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from relaylm.redis_launcher import find_redis_server
+from tests.conftest import make_stack
+from tests.e2e.conftest import TWO_WORKER_MODEL
+from tests.support.stack import Stack, free_port
+
+pytestmark = pytest.mark.slow
+MODEL = TWO_WORKER_MODEL
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "go on"}], "temperature": 0, "ignore_eos": True}
+
+
+def _stream(url: str, body: dict[str, object], on_data: object = None, timeout_s: float = 60) -> list[str]:
+    """The ``data:`` payloads of one streaming request; ``on_data(n, payload)`` after each."""
+    data: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data.append(line[6:])
+                if on_data is not None:
+                    on_data(len(data), data[-1])  # type: ignore[operator]
+    return data
+
+
+def _text(data: list[str]) -> str:
+    chunks = [json.loads(d) for d in data if d != "[DONE]"]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+
+
+def _expected(url: str, max_tokens: int) -> str:
+    reply = httpx.post(f"{url}/v1/chat/completions", json={**BODY, "max_tokens": max_tokens}, timeout=60)
+    return str(reply.json()["choices"][0]["message"]["content"])
+
+
+class _OwnRedis:
+    """A Redis of the test's own, to stop, freeze and restart (on the same port and data dir)."""
+
+    def __init__(self, workdir: Path, appendonly: bool) -> None:
+        binary = find_redis_server()
+        assert binary is not None
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._command = [
+            binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(workdir),
+            "--appendonly", "yes" if appendonly else "no", "--appendfsync", "always",
+        ]  # fmt: skip
+        self.process: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self._command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis.from_url(self.url, socket_timeout=0.5).ping():
+                    return
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise TimeoutError("redis did not start")
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+
+    def signal(self, sig: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[_OwnRedis]:
+    handle = _OwnRedis(tmp_path, appendonly=True)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def _log_seqs(stack: Stack, job_id: str) -> list[int]:
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        entries = client.xrange(stack.keys.job_event_log(job_id))
+    finally:
+        client.close()
+    return [int(entry_id.decode().split("-")[0]) for entry_id, _ in entries]
+
+
+def test_1_redis_restarted_with_appendonly_while_a_batch_runs_ends_every_line_once(
+    own_redis: _OwnRedis, log_dir: Path, tiny_model_path: Path
+) -> None:
+    stack = make_stack(own_redis.url, log_dir)
+    try:
+        stack.start_api(batch_poll_interval_s=0.2)
+        stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=512)
+        lines = [
+            json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                        "body": {**BODY, "max_tokens": 40 + i % 7}})
+            for i in range(60)
+        ]  # fmt: skip
+        files = {"file": ("batch.jsonl", "\n".join(lines).encode(), "application/jsonl")}
+        uploaded = httpx.post(f"{stack.base_url}/v1/files", data={"purpose": "batch"}, files=files).json()
+        batch = httpx.post(
+            f"{stack.base_url}/v1/batches",
+            json={"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        ).json()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            counts = httpx.get(f"{stack.base_url}/v1/batches/{batch['id']}").json()["request_counts"]
+            if counts["completed"] >= 10:
+                break
+            time.sleep(0.1)
+        own_redis.kill()
+        time.sleep(1.0)
+        own_redis.start()
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                current = httpx.get(f"{stack.base_url}/v1/batches/{batch['id']}", timeout=5).json()
+            except httpx.HTTPError:
+                current = {}
+            if current.get("status") == "completed":
+                break
+            time.sleep(0.5)
+        assert current.get("status") == "completed", current
+        output = httpx.get(f"{stack.base_url}/v1/files/{current['output_file_id']}/content").text.splitlines()
+        errors: list[str] = []
+        if current.get("error_file_id"):
+            errors = httpx.get(f"{stack.base_url}/v1/files/{current['error_file_id']}/content").text.splitlines()
+        custom_ids = [json.loads(line)["custom_id"] for line in output + errors]
+        assert sorted(custom_ids) == sorted(f"line-{i}" for i in range(60))  # each line exactly once
+        assert len(output) >= 55, errors[:3]
+        client = redis.Redis.from_url(own_redis.url)
+        assert client.zcard(stack.keys.running_jobs()) == 0
+        client.close()
+    finally:
+        stack.stop()
+
+
+def test_2_a_frozen_redis_gets_503_with_retry_after_and_the_api_recovers_on_thaw(
+    own_redis: _OwnRedis, log_dir: Path, tiny_model_path: Path
+) -> None:
+    stack = make_stack(own_redis.url, log_dir)
+    try:
+        stack.start_api()
+        stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=512)
+        own_redis.signal(signal.SIGSTOP)
+        try:
+            for method, path, body in (
+                ("GET", "/v1/models", None),
+                ("GET", "/ready", None),
+                ("POST", "/v1/chat/completions", {**BODY, "max_tokens": 2}),
+            ):
+                started = time.monotonic()
+                reply = httpx.request(method, f"{stack.base_url}{path}", json=body, timeout=30)
+                assert reply.status_code == 503, (path, reply.text)
+                assert time.monotonic() - started < 6, path
+                if path != "/ready":
+                    assert reply.headers["retry-after"]
+                    assert reply.json()["error"]["code"] == "redis_unavailable"
+        finally:
+            own_redis.signal(signal.SIGCONT)
+        thawed = time.monotonic()
+        while time.monotonic() - thawed < 10:
+            reply = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**BODY, "max_tokens": 2}, timeout=10)
+            if reply.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert reply.status_code == 200, reply.text
+    finally:
+        stack.stop()
+
+
+def test_2_a_stream_open_while_redis_freezes_ends_with_an_error_then_done(
+    own_redis: _OwnRedis, log_dir: Path, tiny_model_path: Path
+) -> None:
+    stack = make_stack(own_redis.url, log_dir)
+    try:
+        stack.start_api()
+        stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=1024)
+        frozen_at: list[float] = []
+
+        def freeze(count: int, _payload: str) -> None:
+            if count == 3:
+                own_redis.signal(signal.SIGSTOP)
+                frozen_at.append(time.monotonic())
+
+        try:
+            data = _stream(stack.base_url, {**BODY, "max_tokens": 900, "stream": True}, freeze)
+        finally:
+            own_redis.signal(signal.SIGCONT)
+        assert data[-1] == "[DONE]"
+        if _text(data) and len(data) < 900:
+            assert json.loads(data[-2])["error"]["code"] in ("redis_unavailable", "stream_gap")
+        assert time.monotonic() - frozen_at[0] < 10
+    finally:
+        stack.stop()
+
+
+def test_3_a_worker_back_with_the_same_id_does_not_inherit_the_dead_ones_stream(
+    two_workers: Stack, tiny_model_path: Path
+) -> None:
+    expected = _expected(two_workers.base_url, 600)
+    killed_at: list[float] = []
+
+    def kill_and_restart(count: int, payload: str) -> None:
+        if count == 4:
+            victim = two_workers.worker_of(json.loads(payload)["id"])
+            index = two_workers.workers.index(victim)
+            victim.popen.send_signal(signal.SIGKILL)
+            victim.popen.wait()
+            killed_at.append(time.monotonic())
+            # Same --worker-id, at once: its registry entry still looks alive.
+            settings = {
+                "model": tiny_model_path, "served_model_name": MODEL, "dtype": "float32", "max_model_len": 1024,
+                "worker_id": f"{two_workers.key_prefix}-worker{index}", "heartbeat_interval_s": 0.5,
+            }  # fmt: skip
+            two_workers.workers[index] = two_workers._spawn("worker", f"worker{index}-again", settings)
+
+    arrivals: list[float] = []
+    data = _stream(
+        two_workers.base_url,
+        {**BODY, "max_tokens": 600, "stream": True},
+        lambda n, p: (arrivals.append(time.monotonic()), kill_and_restart(n, p)),
+    )
+    assert data[-1] == "[DONE]" and _text(data) == expected
+    after = [t for t in arrivals if t > killed_at[0]]
+    assert after and after[0] - killed_at[0] < 10
+
+
+def test_4_a_paused_worker_resumed_after_takeover_writes_nothing_more(two_workers: Stack) -> None:
+    expected = _expected(two_workers.base_url, 800)
+    paused: list[object] = []
+
+    def pause(count: int, payload: str) -> None:
+        if count == 4:
+            job_id = json.loads(payload)["id"]
+            victim = two_workers.worker_of(job_id)
+            victim.popen.send_signal(signal.SIGSTOP)
+            paused.append((victim, job_id, time.monotonic()))
+
+    data = _stream(two_workers.base_url, {**BODY, "max_tokens": 800, "stream": True}, pause)
+    victim, job_id, paused_at = paused[0]  # type: ignore[misc]
+    assert time.monotonic() - paused_at < 15
+    victim.popen.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
+    assert data[-1] == "[DONE]" and _text(data) == expected
+    time.sleep(2.0)  # the resumed worker runs on: its writes must be refused
+    seqs = _log_seqs(two_workers, job_id)
+    assert seqs == list(range(len(seqs)))  # no duplicate, no gap
+    assert "moved on without this worker" in victim.log() or "handed_back" in victim.log()  # type: ignore[attr-defined]
+
+
+def test_6_last_event_id_past_the_end_or_negative_answers_at_once(two_workers: Stack) -> None:
+    body = {**BODY, "max_tokens": 5, "stream": True, "resumable": True}
+    data = _stream(two_workers.base_url, body)
+    job_id = json.loads(data[0])["id"]
+    url = f"{two_workers.base_url}/v1/chat/completions/{job_id}/stream"
+    last_seq = 7  # start, 5 deltas, end
+    for header, status in (("-1", 400), ("abc", 400), (str(last_seq + 5), 400)):
+        started = time.monotonic()
+        reply = httpx.get(url, headers={"Last-Event-ID": header}, timeout=10)
+        assert reply.status_code == status and time.monotonic() - started < 2, (header, reply.text)
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+    started = time.monotonic()
+    reply = httpx.get(url, headers={"Last-Event-ID": str(last_seq - 1)}, timeout=10)
+    assert reply.status_code == 200 and time.monotonic() - started < 2
+    assert reply.text.strip().endswith("data: [DONE]") and '"usage"' not in reply.text
+
+
+def test_7_a_poisoned_batch_line_fails_its_batch_at_validation_and_others_go_on(tiny_stack: Stack) -> None:
+    from tests.conftest import TINY_MODEL
+
+    good = {"model": TINY_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    poisoned = {**good, "metadata": {"\ud800": "lone surrogate key"}}
+    lines = [
+        json.dumps({"custom_id": "good", "method": "POST", "url": "/v1/chat/completions", "body": good}),
+        json.dumps({"custom_id": "poisoned", "method": "POST", "url": "/v1/chat/completions", "body": poisoned}),
+    ]
+    batches = []
+    for content in ("\n".join(lines), lines[0].replace('"good"', '"other"')):
+        files = {"file": ("b.jsonl", content.encode(), "application/jsonl")}
+        uploaded = httpx.post(f"{tiny_stack.base_url}/v1/files", data={"purpose": "batch"}, files=files).json()
+        created = httpx.post(
+            f"{tiny_stack.base_url}/v1/batches",
+            json={"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        ).json()
+        batches.append(created["id"])
+    deadline = time.monotonic() + 60
+    states: list[dict[str, object]] = []
+    while time.monotonic() < deadline:
+        states = [httpx.get(f"{tiny_stack.base_url}/v1/batches/{b}").json() for b in batches]
+        if all(s["status"] in ("completed", "failed") for s in states):
+            break
+        time.sleep(0.2)
+    assert [s["status"] for s in states] == ["failed", "completed"], states
+    [problem] = states[0]["errors"]["data"]  # type: ignore[index]
+    assert problem["line"] == 2 and problem["param"] == "body.metadata.\\ud800", problem
+
+
+def test_10_a_job_past_its_timeout_ends_with_job_timeout(fresh_stack: Stack, tiny_model_path: Path) -> None:
+    fresh_stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=1024, job_timeout_s=1)
+    worker = fresh_stack.workers[0]
+
+    def stall(count: int, _payload: str) -> None:
+        if count == 2:  # the job's wall time passes its 1 s timeout while the worker is stopped
+            worker.popen.send_signal(signal.SIGSTOP)
+            time.sleep(1.5)
+            worker.popen.send_signal(signal.SIGCONT)
+
+    data = _stream(fresh_stack.base_url, {**BODY, "max_tokens": 900, "stream": True}, stall)
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"]["code"] == "job_timeout"
+
+
+def test_api_paused_and_resumed_mid_stream_delivers_the_whole_text(two_workers: Stack) -> None:
+    expected = _expected(two_workers.base_url, 300)
+    assert two_workers.api is not None
+    api = two_workers.api
+
+    def pause(count: int, _payload: str) -> None:
+        if count == 3:
+            api.popen.send_signal(signal.SIGSTOP)
+            time.sleep(3.0)
+            api.popen.send_signal(signal.SIGCONT)
+
+    data = _stream(two_workers.base_url, {**BODY, "max_tokens": 300, "stream": True}, pause)
+    assert data[-1] == "[DONE]" and _text(data) == expected

@@ -1,0 +1,163 @@
+"""The job lifecycle against a real Redis: every transition, and every write a stale owner tries."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis as sync_redis
+from redis.asyncio import Redis
+
+from shared.errors import ErrorKind
+from shared.events import DeltaEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts, encode_event
+from shared.job_lifecycle import (
+    AppendRequest,
+    AppendStatus,
+    EventAppender,
+    JobLifecycle,
+    JobQueueFull,
+    JobState,
+)
+from shared.redis_keys import JOB_MAX_ATTEMPTS, RedisKeys
+
+
+@pytest.fixture
+async def env(redis_url: str) -> AsyncIterator[tuple[JobLifecycle, EventAppender, RedisKeys]]:
+    keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
+    client = Redis.from_url(redis_url)
+    sync_client = sync_redis.Redis.from_url(redis_url)
+    try:
+        yield JobLifecycle(client, keys), EventAppender(sync_client, keys), keys
+    finally:
+        await client.aclose()
+        sync_client.close()
+
+
+def _encoded(*events: StartEvent | DeltaEvent | EndEvent) -> list[tuple[int, bytes]]:
+    return [(event.seq, encode_event(event)) for event in events]
+
+
+START = StartEvent(seq=0, worker_id="w", prompt_tokens=1)
+END_2 = EndEvent(seq=2, usage=UsageCounts(prompt_tokens=1, completion_tokens=1))
+
+
+async def _queued(lifecycle: JobLifecycle, keys: RedisKeys, job_id: str = "j1", limit: int = 0) -> str:
+    await lifecycle.create(job_id, b'{"x": 1}', "m", keys.queue("m"), limit)
+    return job_id
+
+
+async def test_a_job_is_claimed_once_with_a_new_epoch_and_its_payload(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, _, keys = env
+    await _queued(lifecycle, keys)
+    claim = await lifecycle.claim(keys.queue("m"), "w1", "i1")
+    assert claim is not None and (claim.job_id, claim.epoch, claim.attempt, claim.next_seq) == ("j1", 1, 1, 0)
+    assert claim.payload == b'{"x": 1}'
+    assert await lifecycle.claim(keys.queue("m"), "w2", "i2") is None
+    record = await lifecycle.record("j1")
+    assert (
+        record is not None
+        and record.state is JobState.RUNNING
+        and (record.owner, record.owner_instance)
+        == (
+            "w1",
+            "i1",
+        )
+    )
+    assert await lifecycle.running_job_ids() == ["j1"]
+
+
+async def test_the_queue_limit_counts_queued_and_running_jobs(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, _, keys = env
+    await _queued(lifecycle, keys, "a", limit=2)
+    await lifecycle.claim(keys.queue("m"), "w", "i")
+    await _queued(lifecycle, keys, "b", limit=2)
+    with pytest.raises(JobQueueFull):
+        await _queued(lifecycle, keys, "c", limit=2)
+    with pytest.raises(ValueError):
+        await _queued(lifecycle, keys, "a")
+
+
+async def test_appends_are_written_once_in_order_and_the_final_one_ends_the_job(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, appender, keys = env
+    await _queued(lifecycle, keys)
+    claim = await lifecycle.claim(keys.queue("m"), "w", "i")
+    assert claim is not None
+    delta = DeltaEvent(seq=1, content="a", finish_reason="stop")
+    [reply] = appender.append([AppendRequest("j1", claim.epoch, _encoded(START, delta), None)])
+    assert (reply.status, reply.next_seq) == (AppendStatus.WRITTEN, 2)
+    # A retried write (its reply was lost) is not written twice.
+    [reply] = appender.append([AppendRequest("j1", claim.epoch, _encoded(delta, END_2), JobState.FINISHED)])
+    assert (reply.status, reply.next_seq) == (AppendStatus.WRITTEN, 3)
+    assert [event.seq for event in await lifecycle.read_log("j1")] == [0, 1, 2]
+    assert [event.seq for event in await lifecycle.read_log("j1", 2)] == [2]
+    record = await lifecycle.record("j1")
+    assert record is not None and record.state is JobState.FINISHED
+    assert await lifecycle.running_job_ids() == []
+
+
+async def test_a_gap_in_the_log_is_reported_with_where_to_resend_from(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, appender, keys = env
+    await _queued(lifecycle, keys)
+    claim = await lifecycle.claim(keys.queue("m"), "w", "i")
+    assert claim is not None
+    [reply] = appender.append([AppendRequest("j1", claim.epoch, _encoded(END_2), JobState.FINISHED)])
+    assert (reply.status, reply.next_seq) == (AppendStatus.GAP, 0)
+    record = await lifecycle.record("j1")
+    assert record is not None and record.state is JobState.RUNNING
+
+
+async def test_a_requeued_job_refuses_its_old_owner_and_goes_to_the_next_one(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, appender, keys = env
+    await _queued(lifecycle, keys, "later")
+    await _queued(lifecycle, keys)
+    first = await lifecycle.claim(keys.queue("m"), "w1", "i1")
+    assert first is not None and first.job_id == "later"
+    old = await lifecycle.claim(keys.queue("m"), "w1", "i1")
+    assert old is not None and old.job_id == "j1"
+    appender.append([AppendRequest("j1", old.epoch, _encoded(START), None)])
+    assert await lifecycle.requeue("j1", old.epoch)
+    assert not await lifecycle.requeue("j1", old.epoch)  # a second API process finds nothing to do
+    new = await lifecycle.claim(keys.queue("m"), "w2", "i2")
+    assert new is not None and (new.job_id, new.epoch, new.attempt, new.next_seq) == ("j1", 2, 2, 1)
+    [refused] = appender.append([AppendRequest("j1", old.epoch, _encoded(DeltaEvent(seq=1, content="x")), None)])
+    assert refused.status is AppendStatus.REFUSED
+    [written] = appender.append([AppendRequest("j1", new.epoch, _encoded(DeltaEvent(seq=1, content="y")), None)])
+    assert written.status is AppendStatus.WRITTEN
+    assert not await lifecycle.requeue("j1", old.epoch)
+
+
+async def test_reclaim_fails_a_job_after_its_last_attempt_with_a_final_event(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, _, keys = env
+    await _queued(lifecycle, keys)
+    for attempt in range(1, JOB_MAX_ATTEMPTS + 1):
+        claim = await lifecycle.claim(keys.queue("m"), "w", f"i{attempt}")
+        assert claim is not None and claim.attempt == attempt
+        record = await lifecycle.record("j1")
+        assert record is not None
+        expected = JobState.FAILED if attempt == JOB_MAX_ATTEMPTS else JobState.QUEUED
+        assert await lifecycle.reclaim(record) is expected
+    [event] = await lifecycle.read_log("j1")
+    assert isinstance(event, ErrorEvent) and event.kind is ErrorKind.WORKER_LOST and event.seq == 0
+    assert await lifecycle.running_job_ids() == []
+
+
+async def test_cancel_ends_queued_and_running_jobs_once_and_refuses_their_worker(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, appender, keys = env
+    await _queued(lifecycle, keys, "queued")
+    await _queued(lifecycle, keys, "running")
+    # Claims take the oldest first: "queued" was created first, so requeue it behind "running".
+    first = await lifecycle.claim(keys.queue("m"), "w", "i")
+    running = await lifecycle.claim(keys.queue("m"), "w", "i")
+    assert first is not None and running is not None
+    assert await lifecycle.requeue(first.job_id, first.epoch)
+    await lifecycle.cancel(["queued", "running"])
+    for job_id in ("queued", "running"):
+        record = await lifecycle.record(job_id)
+        assert record is not None and record.state is JobState.CANCELLED
+        [event] = await lifecycle.read_log(job_id)
+        assert isinstance(event, ErrorEvent) and event.kind is ErrorKind.CANCELLED
+    assert not await lifecycle.end("running", JobState.FAILED, ErrorKind.INTERNAL, "again")
+    [refused] = appender.append([AppendRequest("running", running.epoch, _encoded(START), None)])
+    assert refused.status is AppendStatus.REFUSED
+    assert await lifecycle.claim(keys.queue("m"), "w", "i") is None  # the cancelled one is gone from the queue
