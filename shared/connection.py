@@ -1,31 +1,36 @@
-"""The one way both processes connect to Redis: arq's client with msgpack (never pickle)."""
+"""The one way both processes connect to Redis: every command has a timeout, so a frozen Redis
+(process stopped, sockets open) makes calls fail within seconds instead of hanging them."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from arq.connections import ArqRedis
 from redis import exceptions as redis_errors
-from redis.asyncio import ConnectionPool, Redis
-
-from shared import serialization
+from redis.asyncio import BlockingConnectionPool, Redis
 
 logger = logging.getLogger("relaylm.redis")
 
 _CONNECT_TIMEOUT_S = 1.0
+# Longest any one command may take; a pub/sub reader polls with its own shorter timeout.
+COMMAND_TIMEOUT_S = 2.0
 _RETRY_MAX_S = 5.0
+# Connections one process opens at most. A burst of requests past it waits its turn for a
+# connection (up to one command timeout) instead of failing: redis-py's plain pool raises
+# MaxConnectionsError at its 100th concurrent command, which a 200-stream burst reaches.
+MAX_CONNECTIONS = 64
 
 
-def connect_redis(redis_url: str, default_queue_name: str = "arq:queue") -> ArqRedis:
+def connect_redis(redis_url: str) -> Redis:
     """A lazily connecting client: the first command connects, so start-up never blocks on Redis."""
-    pool = ConnectionPool.from_url(redis_url, socket_connect_timeout=_CONNECT_TIMEOUT_S)
-    return ArqRedis(
-        pool,
-        job_serializer=serialization.serialize,
-        job_deserializer=serialization.deserialize,
-        default_queue_name=default_queue_name,
+    pool = BlockingConnectionPool.from_url(
+        redis_url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=COMMAND_TIMEOUT_S,
+        socket_connect_timeout=_CONNECT_TIMEOUT_S,
+        socket_timeout=COMMAND_TIMEOUT_S,
     )
+    return Redis(connection_pool=pool)
 
 
 def redacted(url: str) -> str:

@@ -20,11 +20,19 @@ class LoadTally:
     lost: int = 0
     duplicated: int = 0
     statuses: Counter[int] = field(default_factory=Counter)
+    refusals: Counter[str] = field(default_factory=Counter)  # error codes of 5xx answers
     errors: Counter[str] = field(default_factory=Counter)
 
     @property
     def server_errors(self) -> int:
         return sum(count for status, count in self.statuses.items() if status >= 500)
+
+
+def _error_code(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return body[:80].decode(errors="replace")
 
 
 def _check_ids(ids: list[int], tally: LoadTally) -> None:
@@ -42,7 +50,9 @@ async def checked_stream(client: httpx.AsyncClient, url: str, body: dict[str, ob
     async with client.stream("POST", url, json=body) as response:
         tally.statuses[response.status_code] += 1
         if response.status_code != 200:
-            await response.aread()
+            body = await response.aread()
+            if response.status_code >= 500:
+                tally.refusals[_error_code(body)] += 1
             return
         ids: list[int] = []
         done = False
