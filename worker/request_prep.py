@@ -39,7 +39,9 @@ def prepare_chat(
             request = request.model_copy(update={"chat_template_kwargs": kwargs})
     plan = plan_tooling(tooling, request)
     prompt_token_ids, prompt_text = render_prompt(loaded.tokenizer, request, plan.template_tools, plan.system_prompt)
-    params = build_sampling_params(request, len(prompt_token_ids), loaded.max_model_len, max_choices)
+    params = build_sampling_params(
+        request, len(prompt_token_ids), loaded.max_model_len, max_choices, vocab_size=loaded.vocab_size
+    )
     make_pipeline = None
     if plan.make_pipeline is not None:
         # Parsers need the markup the tokenizer may call special (e.g. <tool_call> in some vocabularies).
@@ -76,5 +78,5 @@ def prepare_completion(job_id: str, request: CompletionRequest, loaded: LoadedMo
         message = f"Token id {out_of_range} is outside this model's vocabulary [0, {vocab_size})."
         raise RelayError(ErrorKind.INVALID_REQUEST, message, "prompt")
     longest = max(len(prompt) for prompt in prompts)
-    params = build_sampling_params(request, longest, loaded.max_model_len, max_choices)
+    params = build_sampling_params(request, longest, loaded.max_model_len, max_choices, vocab_size=vocab_size)
     return EngineRequest(job_id, prompts, params, num_choices=request.n)

@@ -12,6 +12,7 @@ from api.batches.record_index import page_of_records
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import FileObject, FilePurpose
 from shared.redis_keys import RedisKeys
+from shared.redis_replies import as_bytes
 
 
 def not_found(file_id: str) -> RelayError:
@@ -53,7 +54,7 @@ class FileStore:
         content = await self._redis.get(self._keys.file_content(file_id))
         if content is None:
             raise not_found(file_id)
-        return bytes(content)
+        return as_bytes(content)
 
     async def delete(self, file_id: str) -> None:
         keys = self._keys

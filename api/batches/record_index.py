@@ -8,6 +8,8 @@ from typing import TypeVar
 
 from redis.asyncio import Redis
 
+from shared.redis_replies import as_bytes, texts
+
 Record = TypeVar("Record")
 _CHUNK = 256
 
@@ -23,7 +25,7 @@ async def page_of_records(
     keep: Callable[[Record], bool] | None = None,
 ) -> tuple[list[Record], bool]:
     """Up to ``limit`` records after the id ``after`` (that ``keep`` accepts), and whether more follow."""
-    ids = [raw.decode() for raw in await redis.zrange(index_key, 0, -1, desc=newest_first)]
+    ids = texts(await redis.zrange(index_key, 0, -1, desc=newest_first))
     if after is not None:
         ids = ids[ids.index(after) + 1 :] if after in ids else []
     found: list[Record] = []
@@ -34,7 +36,7 @@ async def page_of_records(
             if raw is None:
                 expired.append(record_id)
                 continue
-            record = parse(raw)
+            record = parse(as_bytes(raw))
             if keep is None or keep(record):
                 found.append(record)
         if len(found) > limit:

@@ -43,6 +43,7 @@ from shared.openai.batch import (
     BatchResponseData,
 )
 from shared.redis_keys import RedisKeys
+from shared.redis_replies import as_bytes, as_text, texts
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class BatchRunner:
 
     # -- background jobs ----------------------------------------------------------------------
     async def collect_background(self) -> None:
-        job_ids = sorted(raw.decode() for raw in await self._redis.smembers(self._keys.background_jobs()))
+        job_ids = sorted(texts(await self._redis.smembers(self._keys.background_jobs())))
         states = await self._jobs.states(job_ids)
         for job_id, state in states.items():
             if state.outcome is not None:
@@ -285,13 +286,13 @@ class BatchRunner:
     async def _running(self, batch: Batch) -> dict[int, str]:
         """Line number → job id of the lines enqueued and not yet collected."""
         raw = await self._redis.hgetall(self._keys.batch_running(batch.id))
-        return {int(number): job_id.decode() for number, job_id in raw.items()}
+        return {int(number): as_text(job_id) for number, job_id in raw.items()}
 
     async def _lines(self, batch: Batch, numbers: list[int]) -> dict[int, BatchInputLine]:
         if not numbers:
             return {}
         raw_lines = await self._redis.hmget(self._keys.batch_requests(batch.id), numbers)
-        return {n: BatchInputLine.model_validate_json(raw) for n, raw in zip(numbers, raw_lines, strict=True)}
+        return {n: BatchInputLine.model_validate_json(as_bytes(raw)) for n, raw in zip(numbers, raw_lines, strict=True)}
 
     async def _count(self, batch: Batch) -> None:
         keys = self._keys
@@ -319,7 +320,7 @@ class BatchRunner:
             lines = await self._redis.hgetall(source)
             if not lines:
                 continue
-            ordered = [value.decode() for _, value in sorted(lines.items(), key=lambda item: int(item[0]))]
+            ordered = [as_text(value) for _, value in sorted(lines.items(), key=lambda item: int(item[0]))]
             content = ("\n".join(ordered) + "\n").encode()
             created = await self._files.create(content, f"{batch.id}_{kind}.jsonl", "batch_output")
             if kind == "output":

@@ -15,6 +15,7 @@ from api.batches.record_index import page_of_records
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import TERMINAL_STATUSES, Batch
 from shared.redis_keys import RedisKeys
+from shared.redis_replies import texts
 
 # Long enough for one advance of a batch; a process that dies holding it frees it after this.
 _LOCK_TTL_MS = 15_000
@@ -62,7 +63,7 @@ class BatchStore:
             await pipe.execute()
 
     async def active_ids(self) -> list[str]:
-        return sorted(raw.decode() for raw in await self._redis.smembers(self._keys.active_batches()))
+        return sorted(texts(await self._redis.smembers(self._keys.active_batches())))
 
     async def list(self, limit: int, after: str | None) -> tuple[list[Batch], bool]:
         """Newest first, after the batch ``after``."""

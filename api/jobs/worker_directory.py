@@ -11,6 +11,7 @@ from redis.exceptions import RedisError
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobRecord
 from shared.redis_keys import MODEL_FORGET_AFTER_S, RedisKeys
+from shared.redis_replies import texts
 from shared.registry import ModelRecord, WorkerInfo
 
 # A positive answer is reused this long, so a busy API does not read the registry per request.
@@ -27,7 +28,7 @@ class WorkerDirectory:
         self._live_lookups: dict[str, asyncio.Task[bool]] = {}
 
     async def live_workers(self, model: str) -> list[WorkerInfo]:
-        ids = sorted(member.decode() for member in await self._redis.smembers(self._keys.model_workers(model)))
+        ids = sorted(texts(await self._redis.smembers(self._keys.model_workers(model))))
         if not ids:
             return []
         records = await self._redis.mget([self._keys.worker(worker_id) for worker_id in ids])

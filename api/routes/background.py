@@ -41,7 +41,7 @@ def _from_record(job_id: str, record: dict[str, Any], job: ChatJob | None) -> di
     return summary
 
 
-@router.get("/v1/chat/completions/{job_id}", responses=ERROR_RESPONSES, summary="Poll a background chat completion")  # type: ignore[arg-type]
+@router.get("/v1/chat/completions/{job_id}", responses=ERROR_RESPONSES, summary="Poll a background chat completion")
 async def get_background(request: Request, job_id: str) -> dict[str, Any]:
     state = request.app.state
     redis, keys = state.redis, state.settings.keys
@@ -62,7 +62,7 @@ async def get_background(request: Request, job_id: str) -> dict[str, Any]:
 @router.post(
     "/v1/chat/completions/{job_id}/cancel",
     responses=ERROR_RESPONSES,
-    summary="Cancel a background chat completion",  # type: ignore[arg-type]
+    summary="Cancel a background chat completion",
 )
 async def cancel_background(request: Request, job_id: str) -> dict[str, Any]:
     state = request.app.state
@@ -79,7 +79,7 @@ async def cancel_background(request: Request, job_id: str) -> dict[str, Any]:
 
 @router.delete(
     "/v1/chat/completions/{job_id}", responses=ERROR_RESPONSES, summary="Delete a background chat completion"
-)  # type: ignore[arg-type]
+)
 async def delete_background(request: Request, job_id: str) -> dict[str, Any]:
     state = request.app.state
     redis, keys = state.redis, state.settings.keys

@@ -20,10 +20,10 @@ _CANCEL_LOCK_WAIT_S = 10.0
 
 
 def _store(request: Request) -> BatchStore:
-    return request.app.state.batches  # type: ignore[no-any-return]
+    return request.app.state.batches
 
 
-@router.post("/v1/batches", response_model=Batch, responses=ERROR_RESPONSES, summary="Create a batch")  # type: ignore[arg-type]
+@router.post("/v1/batches", response_model=Batch, responses=ERROR_RESPONSES, summary="Create a batch")
 async def create_batch(body: CreateBatchRequest, request: Request) -> Batch:
     files: FileStore = request.app.state.files
     input_file = await files.get(body.input_file_id)
@@ -46,12 +46,12 @@ async def create_batch(body: CreateBatchRequest, request: Request) -> Batch:
     return batch
 
 
-@router.get("/v1/batches/{batch_id}", response_model=Batch, responses=ERROR_RESPONSES, summary="Get a batch")  # type: ignore[arg-type]
+@router.get("/v1/batches/{batch_id}", response_model=Batch, responses=ERROR_RESPONSES, summary="Get a batch")
 async def get_batch(request: Request, batch_id: str) -> Batch:
     return await _store(request).get(batch_id)
 
 
-@router.post("/v1/batches/{batch_id}/cancel", response_model=Batch, responses=ERROR_RESPONSES, summary="Cancel a batch")  # type: ignore[arg-type]
+@router.post("/v1/batches/{batch_id}/cancel", response_model=Batch, responses=ERROR_RESPONSES, summary="Cancel a batch")
 async def cancel_batch(request: Request, batch_id: str) -> Batch:
     store = _store(request)
     async with store.locked(batch_id, wait_s=_CANCEL_LOCK_WAIT_S) as held:
@@ -68,7 +68,7 @@ async def cancel_batch(request: Request, batch_id: str) -> Batch:
     return batch
 
 
-@router.get("/v1/batches", response_model=BatchList, responses=ERROR_RESPONSES, summary="List batches")  # type: ignore[arg-type]
+@router.get("/v1/batches", response_model=BatchList, responses=ERROR_RESPONSES, summary="List batches")
 async def list_batches(
     request: Request, limit: int = Query(default=20, ge=1, le=100), after: str | None = None
 ) -> BatchList:

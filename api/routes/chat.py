@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -20,7 +22,16 @@ from shared.openai.errors import ErrorResponse
 router = APIRouter()
 
 CLIENT_CLOSED_REQUEST = 499
-ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 502, 503)}
+# FastAPI's `responses` type: status → OpenAPI response fields.
+OpenApiResponses = dict[int | str, dict[str, Any]]
+ERROR_RESPONSES: OpenApiResponses = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 500, 502, 503)
+}
+
+
+def with_errors(status: int, media_type: str) -> OpenApiResponses:
+    """The error responses plus a success answer of another media type (a stream, a file)."""
+    return {status: {"content": {media_type: {}}}, **ERROR_RESPONSES}
 
 
 def check_request_limits(body: ChatCompletionRequest, settings: ApiSettings) -> None:
@@ -56,7 +67,7 @@ async def start_stream(submitter: JobSubmitter, body: SubmittableRequest, reques
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletion,
-    responses={200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES},  # type: ignore[dict-item]
+    responses=with_errors(200, "text/event-stream"),
     summary="Create a chat completion (OpenAI-compatible; SSE when stream=true)",
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:

@@ -8,7 +8,7 @@ from api.jobs.stream import ClientDisconnected
 from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_response
 from api.render.completion import collect_text_completion, sse_completion_chunks
-from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, start_stream
+from api.routes.chat import CLIENT_CLOSED_REQUEST, start_stream, with_errors
 from shared.openai.completion_request import CompletionRequest
 from shared.openai.completion_response import Completion
 
@@ -18,7 +18,7 @@ router = APIRouter()
 @router.post(
     "/v1/completions",
     response_model=Completion,
-    responses={200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES},  # type: ignore[dict-item]
+    responses=with_errors(200, "text/event-stream"),
     summary="Create a text completion (OpenAI-compatible; SSE when stream=true)",
 )
 async def create_completion(body: CompletionRequest, request: Request) -> Response | Completion:

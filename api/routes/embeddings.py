@@ -16,7 +16,7 @@ router = APIRouter()
 @router.post(
     "/v1/embeddings",
     response_model=EmbeddingResponse,
-    responses=ERROR_RESPONSES,  # type: ignore[arg-type]
+    responses=ERROR_RESPONSES,
     summary="Create embeddings (OpenAI-compatible)",
 )
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response | EmbeddingResponse:

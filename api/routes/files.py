@@ -8,7 +8,7 @@ from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 
 from api.batches.file_store import FileStore
-from api.routes.chat import ERROR_RESPONSES
+from api.routes.chat import ERROR_RESPONSES, with_errors
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import FileDeleted, FileList, FileObject
 
@@ -16,10 +16,10 @@ router = APIRouter()
 
 
 def _store(request: Request) -> FileStore:
-    return request.app.state.files  # type: ignore[no-any-return]
+    return request.app.state.files
 
 
-@router.post("/v1/files", response_model=FileObject, responses=ERROR_RESPONSES, summary="Upload a file")  # type: ignore[arg-type]
+@router.post("/v1/files", response_model=FileObject, responses=ERROR_RESPONSES, summary="Upload a file")
 async def upload_file(
     request: Request,
     file: Annotated[UploadFile, File(description="The JSONL file.")],
@@ -33,7 +33,7 @@ async def upload_file(
     return await _store(request).create(content, file.filename or "upload.jsonl", "batch")
 
 
-@router.get("/v1/files", response_model=FileList, responses=ERROR_RESPONSES, summary="List files")  # type: ignore[arg-type]
+@router.get("/v1/files", response_model=FileList, responses=ERROR_RESPONSES, summary="List files")
 async def list_files(
     request: Request,
     purpose: str | None = None,
@@ -52,14 +52,14 @@ async def list_files(
 
 @router.get(
     "/v1/files/{file_id}", response_model=FileObject, responses=ERROR_RESPONSES, summary="Get a file's metadata"
-)  # type: ignore[arg-type]
+)
 async def get_file(request: Request, file_id: str) -> FileObject:
     return await _store(request).get(file_id)
 
 
 @router.get(
     "/v1/files/{file_id}/content",
-    responses={200: {"content": {"application/octet-stream": {}}}, **ERROR_RESPONSES},  # type: ignore[dict-item]
+    responses=with_errors(200, "application/octet-stream"),
     summary="Download a file's content",
 )
 async def get_file_content(request: Request, file_id: str) -> Response:
@@ -70,7 +70,7 @@ async def get_file_content(request: Request, file_id: str) -> Response:
     return Response(content, media_type=media_type)
 
 
-@router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=ERROR_RESPONSES, summary="Delete a file")  # type: ignore[arg-type]
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=ERROR_RESPONSES, summary="Delete a file")
 async def delete_file(request: Request, file_id: str) -> FileDeleted:
     await _store(request).delete(file_id)
     return FileDeleted(id=file_id)

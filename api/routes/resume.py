@@ -11,12 +11,12 @@ from sse_starlette import EventSourceResponse
 from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_chunks, sse_response
 from api.render.completion import sse_completion_chunks
-from api.routes.chat import ERROR_RESPONSES
+from api.routes.chat import with_errors
 from shared.errors import ErrorKind, RelayError
 from shared.jobs import ChatJob, CompletionJob
 
 router = APIRouter()
-_STREAM_RESPONSES = {200: {"content": {"text/event-stream": {}}}, **ERROR_RESPONSES}
+_STREAM_RESPONSES = with_errors(200, "text/event-stream")
 
 
 def _last_event_id(header: str | None, query: int | None) -> int | None:
@@ -35,17 +35,20 @@ async def _attach(request: Request, job_id: str, last_event_id: int | None, kind
         await stream.close()
         raise RelayError(ErrorKind.NOT_FOUND, f"No {kind.__name__.removesuffix('Job').lower()} job `{job_id}`.")
     settings = submitter.settings
-    request_fields = stream.job.request
-    if isinstance(stream.job, ChatJob):
-        chunks = sse_chunks(stream, request_fields.include_usage, settings.reasoning_field, last_event_id is None)
-    else:
-        chunks = sse_completion_chunks(stream, request_fields.include_usage)
+    job = stream.job
+    if isinstance(job, ChatJob):
+        chunks = sse_chunks(stream, job.request.include_usage, settings.reasoning_field, last_event_id is None)
+    elif isinstance(job, CompletionJob):
+        chunks = sse_completion_chunks(stream, job.request.include_usage)
+    else:  # an embedding job has no stream to resume
+        await stream.close()
+        raise RelayError(ErrorKind.NOT_FOUND, f"No streaming job `{job_id}`.")
     return sse_response(chunks, settings)
 
 
 @router.get(
     "/v1/chat/completions/{job_id}/stream",
-    responses=_STREAM_RESPONSES,  # type: ignore[arg-type]
+    responses=_STREAM_RESPONSES,
     summary="Reconnect to a chat completion stream (Last-Event-ID); extension",
 )
 async def resume_chat_stream(
@@ -59,7 +62,7 @@ async def resume_chat_stream(
 
 @router.get(
     "/v1/completions/{job_id}/stream",
-    responses=_STREAM_RESPONSES,  # type: ignore[arg-type]
+    responses=_STREAM_RESPONSES,
     summary="Reconnect to a text completion stream (Last-Event-ID); extension",
 )
 async def resume_completion_stream(

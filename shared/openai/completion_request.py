@@ -52,8 +52,8 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, str):
             return [self.prompt]
         if isinstance(self.prompt[0], int):
-            return [self.prompt]  # type: ignore[list-item]
-        return self.prompt  # type: ignore[return-value]
+            return [self.prompt]
+        return self.prompt
 
     @property
     def max_new_tokens(self) -> int | None:

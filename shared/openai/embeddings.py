@@ -38,8 +38,8 @@ class EmbeddingRequest(BaseModel):
         if isinstance(self.input, str):
             return [self.input]
         if isinstance(self.input[0], int):
-            return [self.input]  # type: ignore[list-item]
-        return self.input  # type: ignore[return-value]
+            return [self.input]
+        return self.input
 
     @property
     def is_text(self) -> bool:

@@ -64,8 +64,8 @@ class SamplingFields(BaseModel):
     @classmethod
     def _logit_bias_range(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for token, value in (bias or {}).items():
-            if not token.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if not (token.isascii() and token.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids (integers from 0), got {token!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         return bias

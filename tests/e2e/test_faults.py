@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from relaylm.redis_launcher import find_redis_server
+from shared.redis_keys import WORKER_HEARTBEAT_TTL_S
 from tests.conftest import make_stack
 from tests.e2e.conftest import TWO_WORKER_MODEL
 from tests.support.stack import Stack, free_port
@@ -113,6 +114,63 @@ def _log_seqs(stack: Stack, job_id: str) -> list[int]:
     return [int(entry_id.decode().split("-")[0]) for entry_id, _ in entries]
 
 
+def _submit_batch(base_url: str, num_lines: int, max_tokens: int = 40) -> str:
+    lines = [
+        json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+                    "body": {**BODY, "max_tokens": max_tokens + i % 7}})
+        for i in range(num_lines)
+    ]  # fmt: skip
+    files = {"file": ("batch.jsonl", "\n".join(lines).encode(), "application/jsonl")}
+    uploaded = httpx.post(f"{base_url}/v1/files", data={"purpose": "batch"}, files=files, timeout=10)
+    assert uploaded.status_code == 200, uploaded.text
+    created = httpx.post(
+        f"{base_url}/v1/batches",
+        json={"input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        timeout=10,
+    )
+    assert created.status_code == 200, created.text
+    return str(created.json()["id"])
+
+
+def _wait_completed(base_url: str, batch_id: str, at_least: int, timeout_s: float) -> dict[str, object]:
+    """The batch once ``at_least`` lines completed (or it ended); {} while the API does not answer."""
+    deadline = time.monotonic() + timeout_s
+    current: dict[str, object] = {}
+    while time.monotonic() < deadline:
+        try:
+            current = httpx.get(f"{base_url}/v1/batches/{batch_id}", timeout=5).json()
+        except httpx.HTTPError:
+            current = {}
+        counts = current.get("request_counts")
+        completed = counts.get("completed", 0) if isinstance(counts, dict) else 0
+        if current.get("status") in ("completed", "failed") or completed >= at_least:
+            return current
+        time.sleep(0.2)
+    return current
+
+
+def _each_line_once(base_url: str, batch: dict[str, object], num_lines: int) -> tuple[list[str], list[str]]:
+    """The batch's output and error lines, after checking every custom_id is in them exactly once."""
+    output = httpx.get(f"{base_url}/v1/files/{batch['output_file_id']}/content").text.splitlines()
+    errors: list[str] = []
+    if batch.get("error_file_id"):
+        errors = httpx.get(f"{base_url}/v1/files/{batch['error_file_id']}/content").text.splitlines()
+    custom_ids = [json.loads(line)["custom_id"] for line in output + errors]
+    assert sorted(custom_ids) == sorted(f"line-{i}" for i in range(num_lines))
+    return output, errors
+
+
+def _running_jobs_of(stack: Stack, worker_id: str) -> list[str]:
+    """Jobs in the running set whose record names ``worker_id`` as the owner."""
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        job_ids = [raw.decode() for raw in client.zrange(stack.keys.running_jobs(), 0, -1)]
+        owners = [client.hget(stack.keys.job(job_id), "owner") for job_id in job_ids]
+    finally:
+        client.close()
+    return [job_id for job_id, owner in zip(job_ids, owners, strict=True) if owner == worker_id.encode()]
+
+
 def test_1_redis_restarted_with_appendonly_while_a_batch_runs_ends_every_line_once(
     own_redis: _OwnRedis, log_dir: Path, tiny_model_path: Path
 ) -> None:
@@ -120,48 +178,96 @@ def test_1_redis_restarted_with_appendonly_while_a_batch_runs_ends_every_line_on
     try:
         stack.start_api(batch_poll_interval_s=0.2)
         stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=512)
-        lines = [
-            json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-                        "body": {**BODY, "max_tokens": 40 + i % 7}})
-            for i in range(60)
-        ]  # fmt: skip
-        files = {"file": ("batch.jsonl", "\n".join(lines).encode(), "application/jsonl")}
-        uploaded = httpx.post(f"{stack.base_url}/v1/files", data={"purpose": "batch"}, files=files).json()
-        batch = httpx.post(
-            f"{stack.base_url}/v1/batches",
-            json={"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-        ).json()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            counts = httpx.get(f"{stack.base_url}/v1/batches/{batch['id']}").json()["request_counts"]
-            if counts["completed"] >= 10:
-                break
-            time.sleep(0.1)
+        batch_id = _submit_batch(stack.base_url, 60)
+        _wait_completed(stack.base_url, batch_id, at_least=10, timeout_s=60)
         own_redis.kill()
         time.sleep(1.0)
         own_redis.start()
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                current = httpx.get(f"{stack.base_url}/v1/batches/{batch['id']}", timeout=5).json()
-            except httpx.HTTPError:
-                current = {}
-            if current.get("status") == "completed":
-                break
-            time.sleep(0.5)
+        current = _wait_completed(stack.base_url, batch_id, at_least=61, timeout_s=90)
         assert current.get("status") == "completed", current
-        output = httpx.get(f"{stack.base_url}/v1/files/{current['output_file_id']}/content").text.splitlines()
-        errors: list[str] = []
-        if current.get("error_file_id"):
-            errors = httpx.get(f"{stack.base_url}/v1/files/{current['error_file_id']}/content").text.splitlines()
-        custom_ids = [json.loads(line)["custom_id"] for line in output + errors]
-        assert sorted(custom_ids) == sorted(f"line-{i}" for i in range(60))  # each line exactly once
+        output, errors = _each_line_once(stack.base_url, current, 60)
         assert len(output) >= 55, errors[:3]
         client = redis.Redis.from_url(own_redis.url)
         assert client.zcard(stack.keys.running_jobs()) == 0
         client.close()
     finally:
         stack.stop()
+
+
+def test_1_redis_restarted_without_persistence_loses_the_batch_with_a_404_and_serves_again(
+    tmp_path: Path, log_dir: Path, tiny_model_path: Path
+) -> None:
+    # Without appendonly a restarted Redis is empty: the batch, its files and queued jobs are gone.
+    # What a client gets then is a clear 404 (never a 500 or a hang), and the stack serves again
+    # with no process restarted: workers re-register from their heartbeats.
+    volatile = _OwnRedis(tmp_path, appendonly=False)
+    stack = make_stack(volatile.url, log_dir)
+    try:
+        stack.start_api(batch_poll_interval_s=0.2)
+        stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=512)
+        batch_id = _submit_batch(stack.base_url, 30)
+        _wait_completed(stack.base_url, batch_id, at_least=5, timeout_s=60)
+        volatile.kill()
+        volatile.start()
+        restarted = time.monotonic()
+        reply = httpx.get(f"{stack.base_url}/v1/batches/{batch_id}", timeout=10)
+        while reply.status_code == 503 and time.monotonic() - restarted < 10:
+            time.sleep(0.2)
+            reply = httpx.get(f"{stack.base_url}/v1/batches/{batch_id}", timeout=10)
+        assert reply.status_code == 404, reply.text
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+        while time.monotonic() - restarted < 20:
+            served = httpx.post(f"{stack.base_url}/v1/chat/completions", json={**BODY, "max_tokens": 3}, timeout=10)
+            if served.status_code == 200:
+                break
+            time.sleep(0.2)
+        assert served.status_code == 200, served.text
+        assert time.monotonic() - restarted < 15
+        new_batch = _wait_completed(stack.base_url, _submit_batch(stack.base_url, 4), at_least=5, timeout_s=60)
+        assert new_batch.get("status") == "completed", new_batch
+        _each_line_once(stack.base_url, new_batch, 4)
+    finally:
+        stack.stop()
+        volatile.stop()
+
+
+def test_the_api_killed_during_a_batch_and_restarted_ends_every_line_once(
+    fresh_stack: Stack, tiny_model_path: Path
+) -> None:
+    fresh_stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=512)
+    batch_id = _submit_batch(fresh_stack.base_url, 40)
+    _wait_completed(fresh_stack.base_url, batch_id, at_least=5, timeout_s=60)
+    assert fresh_stack.api is not None
+    fresh_stack.api.popen.send_signal(signal.SIGKILL)
+    fresh_stack.api.popen.wait()
+    time.sleep(2.0)  # the worker goes on with the lines it claimed; nobody collects them meanwhile
+    fresh_stack.start_api()
+    current = _wait_completed(fresh_stack.base_url, batch_id, at_least=41, timeout_s=90)
+    assert current.get("status") == "completed", current
+    output, errors = _each_line_once(fresh_stack.base_url, current, 40)
+    assert not errors and len(output) == 40
+
+
+def test_a_killed_workers_batch_lines_leave_it_within_the_lease_and_end_once(two_workers: Stack) -> None:
+    # A running job whose owner is gone is requeued within its lease (the heartbeat TTL) plus 10 s.
+    batch_id = _submit_batch(two_workers.base_url, 40, max_tokens=120)
+    _wait_completed(two_workers.base_url, batch_id, at_least=3, timeout_s=60)
+    victim_id = f"{two_workers.key_prefix}-worker0"
+    deadline = time.monotonic() + 30
+    while not _running_jobs_of(two_workers, victim_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running_jobs_of(two_workers, victim_id), "worker0 never ran a line"
+    two_workers.workers[0].popen.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    while _running_jobs_of(two_workers, victim_id) and time.monotonic() - killed_at < 30:
+        time.sleep(0.2)
+    released_after_s = time.monotonic() - killed_at
+    assert not _running_jobs_of(two_workers, victim_id)
+    assert released_after_s < WORKER_HEARTBEAT_TTL_S + 10, released_after_s
+    current = _wait_completed(two_workers.base_url, batch_id, at_least=41, timeout_s=120)
+    assert current.get("status") == "completed", current
+    output, errors = _each_line_once(two_workers.base_url, current, 40)
+    assert not errors and len(output) == 40
 
 
 def test_2_a_frozen_redis_gets_503_with_retry_after_and_the_api_recovers_on_thaw(

@@ -85,3 +85,15 @@ def test_sampling_fields_are_carried_over() -> None:
     assert params.stop_strings == ("x",) and params.logit_bias == ((7, 2.5),)
     with pytest.raises(RelayError):
         build_sampling_params(_request(n=5), num_prompt_tokens=1, max_model_len=100, max_choices=4)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"logit_bias": {"99999999": 1.0}}, "logit_bias"), ({"stop_token_ids": [100]}, "stop_token_ids")],
+)
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_its_field(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(RelayError) as raised:
+        build_sampling_params(_request(**fields), num_prompt_tokens=1, max_model_len=100, max_choices=4, vocab_size=100)
+    assert raised.value.status == 400 and raised.value.param == param
+    inside = {"logit_bias": {"99": 1.0}} if param == "logit_bias" else {"stop_token_ids": [99]}
+    build_sampling_params(_request(**inside), num_prompt_tokens=1, max_model_len=100, max_choices=4, vocab_size=100)
