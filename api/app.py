@@ -23,6 +23,7 @@ from api.middleware import ApiKeyMiddleware, BodyGuardMiddleware
 from api.request_context import RequestContextMiddleware
 from api.routes import background, batches, chat, completions, embeddings, files, health, metrics, models, resume
 from api.settings import ApiSettings
+from api.tenancy import KeyRing
 from shared.connection import connect_redis, redacted
 from shared.job_lifecycle import JobLifecycle
 
@@ -34,11 +35,11 @@ PUBLIC_PATHS = ("/health",)
 
 def create_app(settings: ApiSettings) -> FastAPI:
     app_metrics = Metrics()
+    redis = connect_redis(settings.redis_url)  # connects on first use, inside the server's loop
+    keys = settings.keys
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis = connect_redis(settings.redis_url)
-        keys = settings.keys
         router = EventRouter(redis, keys)
         directory = WorkerDirectory(redis, keys)
         await router.start()
@@ -75,10 +76,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.add_middleware(
         BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes, path_limits={"/v1/files": file_limit}
     )
-    api_keys = settings.load_api_keys()
-    if api_keys:
+    keyring = KeyRing(settings.load_api_keys(), settings.load_admin_api_keys(), redis, keys, settings.owner_hash_secret)
+    if not keyring.is_empty:
         public = [*PUBLIC_PATHS, *(["/metrics"] if settings.metrics_public else [])]
-        app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, exempt_paths=public)
+        app.add_middleware(ApiKeyMiddleware, keyring=keyring, exempt_paths=public)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

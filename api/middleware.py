@@ -3,7 +3,6 @@ and text hygiene (invalid UTF-8 and lone surrogates are 400s, never 500s downstr
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -11,39 +10,41 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_response
+from api.tenancy import KeyRing
 from shared.errors import ErrorKind, RelayError
 
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every route except the exempt ones (liveness)."""
+    """``Authorization: Bearer <key>`` on every route except the exempt ones (liveness); the
+    request's tenant (whose objects it may see) goes into ``scope["state"]["tenant"]``."""
 
-    def __init__(self, app: ASGIApp, api_keys: Iterable[str], exempt_paths: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, keyring: KeyRing, exempt_paths: Iterable[str]) -> None:
         self.app = app
-        self._keys = [key.encode() for key in api_keys]
+        self._keyring = keyring
         self._exempt = set(exempt_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self._exempt or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        if not self._is_authorized(scope):
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        found = self._keyring.match(token.strip()) if scheme.lower() == b"bearer" else None
+        if found is None:
             error = RelayError(ErrorKind.UNAUTHORIZED, "Missing or invalid API key: send Authorization: Bearer <key>.")
             response = error_response(error)
             response.headers["www-authenticate"] = "Bearer"
             await response(scope, receive, send)
             return
+        try:
+            tenant = await self._keyring.tenant(*found)
+        except RelayError as error:
+            await error_response(error)(scope, receive, send)
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
-
-    def _is_authorized(self, scope: Scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        # Compare with every key, always, so timing reveals neither a match nor which key.
-        matches = [hmac.compare_digest(token.strip(), key) for key in self._keys]
-        return any(matches)
 
 
 class BodyGuardMiddleware:

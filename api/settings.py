@@ -24,6 +24,27 @@ class ApiSettings(CommonSettings):
         default=None, description="Comma-separated API keys; when any is set, every route but /health needs one."
     )
     api_key_file: Path | None = Field(default=None, description="File with one API key per line (# comments allowed).")
+    admin_api_keys: str | None = Field(
+        default=None,
+        description="Comma-separated admin keys: they see and manage every key's files, batches and jobs.",
+    )
+    owner_hash_secret: str | None = Field(
+        default=None,
+        description="Secret for the keyed hash (HMAC-SHA256) that names a key's owner in Redis; none: one is "
+        "generated and kept in Redis. Set it so that reading Redis does not allow guessing keys.",
+    )
+    max_requests_per_key: int = Field(
+        default=0,
+        ge=0,
+        description="Requests (chat, completion, embedding, background) one API key may have queued or running "
+        "at once, over all API processes; past it, 429 + Retry-After. 0: no limit.",
+    )
+    max_batch_lines_per_key: int = Field(
+        default=0,
+        ge=0,
+        description="Batch lines one API key may have waiting or running over its unfinished batches; a batch "
+        "that would pass it is refused with 429 + Retry-After. 0: no limit.",
+    )
     metrics_public: bool = Field(default=False, description="Serve /metrics without an API key (for scrapers).")
     cors_allow_origins: str | None = Field(
         default=None, description="Comma-separated origins allowed by CORS ('*' for any); none: no CORS headers."
@@ -68,6 +89,9 @@ class ApiSettings(CommonSettings):
         "one (httpx: 5 s), so a reused connection is never closed under a request.",
     )
     log_level: str = Field(default="INFO", description="Python log level.")
+
+    def load_admin_api_keys(self) -> list[str]:
+        return [key.strip() for key in (self.admin_api_keys or "").split(",") if key.strip()]
 
     def load_api_keys(self) -> list[str]:
         """Keys from --api-keys and --api-key-file, read once at start-up."""

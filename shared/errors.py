@@ -18,6 +18,7 @@ class ErrorKind(StrEnum):
     UNAUTHORIZED = "unauthorized"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     QUEUE_FULL = "queue_full"
+    KEY_LIMIT_REACHED = "rate_limit_exceeded"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     MODEL_NOT_FOUND = "model_not_found"
     NOT_FOUND = "not_found"
@@ -48,6 +49,7 @@ ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
     ErrorKind.UNAUTHORIZED: ErrorSpec(401, "authentication_error", "invalid_api_key"),
     ErrorKind.PAYLOAD_TOO_LARGE: ErrorSpec(413, "invalid_request_error", "payload_too_large"),
     ErrorKind.QUEUE_FULL: ErrorSpec(429, "rate_limit_error", "queue_full"),
+    ErrorKind.KEY_LIMIT_REACHED: ErrorSpec(429, "rate_limit_error", "rate_limit_exceeded"),
     ErrorKind.CONTEXT_LENGTH_EXCEEDED: ErrorSpec(400, "invalid_request_error", "context_length_exceeded"),
     ErrorKind.MODEL_NOT_FOUND: ErrorSpec(404, "invalid_request_error", "model_not_found"),
     ErrorKind.NOT_FOUND: ErrorSpec(404, "invalid_request_error", "not_found"),

@@ -30,6 +30,7 @@ from enum import StrEnum
 
 import redis as sync_redis
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, ErrorEvent, encode_event
@@ -50,14 +51,27 @@ class JobState(StrEnum):
         return self not in (JobState.QUEUED, JobState.RUNNING)
 
 
-# KEYS: job, queue, queue's running set. ARGV: limit (0: none), payload, model, queue, now (ms),
-# score, wake channel, record TTL (s), job id. Returns 1, 0 (queue full) or -1 (id taken).
+# KEYS: job, queue, queue's running set, the tenant's open jobs. ARGV: limit (0: none), payload,
+# model, queue, now (ms), score, wake channel, record TTL (s), job id, tenant ('' for none), the
+# tenant's limit (0: none; its jobs are counted only when it has one). Returns 1, 0 (queue
+# full), -1 (id taken) or -2 (the tenant has its limit of open jobs).
 _CREATE = """
 local limit = tonumber(ARGV[1])
 if limit > 0 and redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3]) >= limit then return 0 end
 if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+local tenant_limit = tonumber(ARGV[11])
+local counted = ''
+if tenant_limit > 0 then
+    -- An entry older than a job record can live was left by a job that never ended: drop it.
+    redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', tonumber(ARGV[5]) - 1000 * tonumber(ARGV[8]))
+    if redis.call('ZCARD', KEYS[4]) >= tenant_limit then return -2 end
+    redis.call('ZADD', KEYS[4], ARGV[5], ARGV[9])
+    redis.call('EXPIRE', KEYS[4], ARGV[8])
+    counted = KEYS[4]
+end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'request', ARGV[2], 'model', ARGV[3], 'queue', ARGV[4],
-    'wake', ARGV[7], 'epoch', 0, 'attempts', 0, 'next_seq', 0, 'created_ms', ARGV[5], 'updated_ms', ARGV[5])
+    'wake', ARGV[7], 'epoch', 0, 'attempts', 0, 'next_seq', 0, 'created_ms', ARGV[5], 'updated_ms', ARGV[5],
+    'tenant', ARGV[10], 'tenant_jobs', counted)
 redis.call('EXPIRE', KEYS[1], ARGV[8])
 redis.call('ZADD', KEYS[2], ARGV[6], ARGV[9])
 redis.call('PUBLISH', ARGV[7], '')
@@ -91,7 +105,7 @@ return false
 # (s), job id, now (ms), max log length, then seq/payload pairs. Returns {1, next_seq} (written),
 # {0, -1} (refused: not this epoch's any more) or {2, next_seq} (a gap: resend from next_seq).
 _APPEND = """
-local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue')
+local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue', 'tenant_jobs')
 if f[1] ~= 'running' or f[2] ~= ARGV[1] then return {0, -1} end
 local next_seq = tonumber(f[3])
 for i = 7, #ARGV, 2 do
@@ -112,6 +126,7 @@ if ARGV[2] ~= '' then
     redis.call('HSET', KEYS[1], 'state', ARGV[2])
     redis.call('ZREM', KEYS[4], ARGV[4])
     redis.call('ZREM', f[4] .. ':running', ARGV[4])
+    if f[5] and f[5] ~= '' then redis.call('ZREM', f[5], ARGV[4]) end
 end
 return {1, next_seq}
 """
@@ -135,7 +150,7 @@ return 1
 # the given event. Returns 1, 0 (already ended, or another epoch by now), 2 (an event arrived
 # meanwhile: read next_seq again) or -1 (no such job).
 _END = """
-local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue')
+local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue', 'tenant_jobs')
 if not f[1] then return -1 end
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
 if ARGV[7] ~= '' and f[2] ~= ARGV[7] then return 0 end
@@ -147,10 +162,11 @@ redis.call('HSET', KEYS[1], 'state', ARGV[1], 'next_seq', tonumber(ARGV[2]) + 1,
 redis.call('ZREM', f[4], ARGV[5])
 redis.call('ZREM', f[4] .. ':running', ARGV[5])
 redis.call('ZREM', KEYS[4], ARGV[5])
+if f[5] and f[5] ~= '' then redis.call('ZREM', f[5], ARGV[5]) end
 return 1
 """
 
-_FIELDS = ("state", "model", "queue", "epoch", "attempts", "next_seq", "owner", "owner_instance")
+_FIELDS = ("state", "model", "queue", "epoch", "attempts", "next_seq", "owner", "owner_instance", "tenant")
 _END_RETRIES = 8
 
 
@@ -176,6 +192,7 @@ class JobRecord:
     next_seq: int
     owner: str | None
     owner_instance: str | None
+    tenant: str | None = None  # the keyed hash of the API key that created it; None without keys
 
     @classmethod
     def parse(cls, job_id: str, values: list[bytes | None]) -> JobRecord | None:
@@ -192,6 +209,7 @@ class JobRecord:
             next_seq=int(text[5] or 0),
             owner=text[6],
             owner_instance=text[7],
+            tenant=text[8] or None,
         )
 
 
@@ -222,6 +240,10 @@ class JobQueueFull(Exception):
     """The model's queue holds its limit of queued and running jobs."""
 
 
+class TenantJobsFull(Exception):
+    """The API key that asks has its limit of queued and running jobs."""
+
+
 class JobLifecycle:
     """Every transition of a job, for the API, the batch runner and workers (asyncio side)."""
 
@@ -233,17 +255,32 @@ class JobLifecycle:
         self._requeue = redis.register_script(_REQUEUE)
         self._end = redis.register_script(_END)
 
-    async def create(self, job_id: str, payload: bytes, model: str, queue: str, limit: int = 0) -> None:
-        """A new queued job; raises JobQueueFull past ``limit`` queued and running jobs (0: none)."""
+    async def create(
+        self,
+        job_id: str,
+        payload: bytes,
+        model: str,
+        queue: str,
+        limit: int = 0,
+        tenant: str | None = None,
+        tenant_limit: int = 0,
+    ) -> None:
+        """A new queued job; raises JobQueueFull past ``limit`` queued and running jobs in its
+        queue, TenantJobsFull past ``tenant_limit`` of the tenant's (0: no limit)."""
         keys, now = self._keys, now_ms()
         created = await self._create(
-            keys=[keys.job(job_id), queue, keys.queue_running(queue)],
-            args=[limit, payload, model, queue, now, now, keys.queue_wake_channel(model), JOB_RECORD_TTL_S, job_id],
-        )
+            keys=[keys.job(job_id), queue, keys.queue_running(queue), keys.tenant_jobs(tenant or "")],
+            args=[
+                limit, payload, model, queue, now, now, keys.queue_wake_channel(model), JOB_RECORD_TTL_S, job_id,
+                tenant or "", tenant_limit if tenant else 0,
+            ],
+        )  # fmt: skip
         if created == 0:
             raise JobQueueFull(model)
         if created == -1:
             raise ValueError(f"job id {job_id} is taken")
+        if created == -2:
+            raise TenantJobsFull(tenant)
 
     async def claim(self, queue: str, worker_id: str, instance: str) -> Claim | None:
         keys = self._keys
@@ -354,15 +391,28 @@ class AppendRequest:
 
 class EventAppender:
     """``append`` for a worker's engine thread, on a synchronous client: one pipelined round
-    trip per engine step, whatever the number of jobs in it."""
+    trip per engine step, whatever the number of jobs in it.
+
+    It sends EVALSHA itself: a registered script in a pipeline costs a SCRIPT EXISTS round trip
+    on every execute, a second round trip per step on the engine thread."""
 
     def __init__(self, redis: sync_redis.Redis, keys: RedisKeys) -> None:
         self._redis = redis
         self._keys = keys
-        self._append = redis.register_script(_APPEND)
+        self._sha: str = redis.register_script(_APPEND).sha  # loaded into Redis on the first NOSCRIPT
 
     def append(self, requests: list[AppendRequest]) -> list[AppendReply]:
         """Raises RedisError when Redis cannot be reached (nothing, some or all were written)."""
+        try:
+            replies = self._send(requests)
+        except NoScriptError:
+            # First use, or Redis restarted with an empty script cache: every call in the pipeline
+            # failed alike, and resending is safe (the script skips events the log already has).
+            self._sha = self._redis.script_load(_APPEND)
+            replies = self._send(requests)
+        return [_append_reply(reply) for reply in replies]
+
+    def _send(self, requests: list[AppendRequest]) -> list[list[int]]:
         keys, now = self._keys, now_ms()
         pipe = self._redis.pipeline(transaction=False)
         for request in requests:
@@ -371,13 +421,9 @@ class EventAppender:
             args: list[str | int | bytes] = [request.epoch, final, JOB_LOG_TTL_S, job_id, now, JOB_LOG_MAX_EVENTS]
             for seq, payload in request.events:
                 args += [seq, payload]
-            self._append(
-                keys=_writing_keys(keys, job_id),
-                args=args,
-                client=pipe,
-            )  # fmt: skip
-        replies = pipe.execute()
-        return [_append_reply(reply) for reply in replies]
+            pipe.evalsha(self._sha, 4, *_writing_keys(keys, job_id), *args)
+        replies: list[list[int]] = pipe.execute()
+        return replies
 
 
 def _append_reply(reply: list[int]) -> AppendReply:

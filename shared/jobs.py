@@ -23,6 +23,9 @@ class _JobFields(BaseModel):
     job_id: str = Field(description="Also the response id, e.g. chatcmpl-… or cmpl-….")
     request_id: str | None = Field(default=None, description="X-Request-Id, for following the job through logs.")
     created: int = Field(description="Unix seconds, the `created` of every chunk.")
+    tenant: str | None = Field(
+        default=None, description="Owner id (keyed hash) of the API key that submitted it; None without keys."
+    )
 
 
 class ChatJob(_JobFields):

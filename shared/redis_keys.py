@@ -50,6 +50,15 @@ class RedisKeys:
         """Sorted set of every running job (score: claim time): API processes watch their owners."""
         return f"{self.prefix}:jobs:running"
 
+    def owner_hash_secret(self) -> str:
+        """The HMAC key API processes share to name a key's owner, when no --owner-hash-secret is set."""
+        return f"{self.prefix}:owner-hash-secret"
+
+    def tenant_jobs(self, tenant: str) -> str:
+        """Sorted set of a tenant's queued and running jobs (score: creation time), kept only when
+        a per-key limit is set; expires JOB_RECORD_TTL_S after its last job was created."""
+        return f"{self.prefix}:tenant:{tenant}:jobs"
+
     # -- jobs -------------------------------------------------------------------------------
     @property
     def job_prefix(self) -> str:

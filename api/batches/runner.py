@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from api.batches.file_store import FileStore
-from api.batches.store import BatchStore
+from api.batches.store import BatchStore, StoredBatch
 from api.batches.validation import REQUEST_MODELS, validate_batch_file
 from api.jobs.detached import DetachedJobs, JobOutcome
 from api.jobs.reaper import JobReaper
@@ -32,9 +32,8 @@ from api.jobs.worker_directory import WorkerDirectory
 from api.settings import ApiSettings
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle, JobState
-from shared.jobs import decode_job
+from shared.jobs import AnyJob, decode_job
 from shared.openai.batch import (
-    Batch,
     BatchError,
     BatchErrors,
     BatchInputLine,
@@ -129,18 +128,17 @@ class BatchRunner:
         for job_id, state in states.items():
             if state.outcome is not None:
                 status = "completed" if state.outcome.succeeded else "failed"
-                await self.store_result(job_id, status, state.outcome, await self._summary(job_id, status))
+                payload = await self._lifecycle.payload(job_id)
+                job = decode_job(payload) if payload is not None else None
+                tenant = job.tenant if job is not None else None
+                await self.store_result(job_id, status, state.outcome, _summary(job_id, job, status), tenant)
 
-    async def _summary(self, job_id: str, status: str) -> dict[str, Any]:
-        payload = await self._lifecycle.payload(job_id)
-        job = decode_job(payload) if payload is not None else None
-        if job is None:
-            return {"id": job_id, "object": "chat.completion", "status": status, "choices": []}
-        return {"id": job_id, "object": "chat.completion", "created": job.created, "model": job.request.model}
-
-    async def store_result(self, job_id: str, status: str, outcome: JobOutcome | None, summary: dict[str, Any]) -> None:
-        """Keep a background job's result (or its failure or cancellation) for the retention period."""
-        record: dict[str, Any] = {"status": status, "summary": summary}
+    async def store_result(
+        self, job_id: str, status: str, outcome: JobOutcome | None, summary: dict[str, Any], tenant: str | None
+    ) -> None:
+        """Keep a background job's result (or its failure or cancellation) for the retention
+        period, with the owner id of the key that submitted it."""
+        record: dict[str, Any] = {"status": status, "summary": summary, "tenant": tenant}
         record["body"] = outcome.body if outcome else None
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.set(self._keys.job_result(job_id), json.dumps(record), ex=self._settings.result_retention_s)
@@ -148,7 +146,7 @@ class BatchRunner:
             await pipe.execute()
 
     # -- batches --------------------------------------------------------------------------------
-    async def advance(self, batch_id: str) -> Batch:
+    async def advance(self, batch_id: str) -> StoredBatch:
         """One step of the batch's life; call with its lock held."""
         batch = await self._batches.get(batch_id)
         if batch.status == "validating":
@@ -172,7 +170,7 @@ class BatchRunner:
             await self._finish(batch, "cancelled")
         return batch
 
-    async def _validate(self, batch: Batch) -> None:
+    async def _validate(self, batch: StoredBatch) -> None:
         try:
             content = await self._files.content(batch.input_file_id)
         except RelayError:
@@ -209,12 +207,12 @@ class BatchRunner:
             await self._stop_lines(batch, "internal_error", "The batch failed inside the server.")
             await self._fail(batch, [("internal_error", "The batch could not be processed; see the server log.")])
 
-    async def _fail(self, batch: Batch, problems: list[tuple[str, str]]) -> None:
+    async def _fail(self, batch: StoredBatch, problems: list[tuple[str, str]]) -> None:
         batch.errors = BatchErrors(data=[BatchError(code=code, message=message) for code, message in problems])
         batch.status, batch.failed_at = "failed", int(time.time())
         await self._batches.save(batch)
 
-    async def _fill(self, batch: Batch) -> None:
+    async def _fill(self, batch: StoredBatch) -> None:
         """Enqueue pending lines while fewer than ``batch_concurrency`` are queued or running."""
         keys = self._keys
         room = self._settings.batch_concurrency - int(await self._redis.hlen(keys.batch_running(batch.id)))
@@ -229,7 +227,12 @@ class BatchRunner:
             request_id = f"{batch.id}-{number}"
             try:
                 request = REQUEST_MODELS[batch.endpoint].model_validate(line.body)
-                job = make_job(without_unknown_fields(request, request_id), request_id, is_ours=True)  # type: ignore[arg-type]
+                job = make_job(
+                    without_unknown_fields(request, request_id),  # type: ignore[arg-type]
+                    request_id,
+                    is_ours=True,
+                    tenant=batch.owner,
+                )
                 # An advance cut short after the enqueue but before the trim must not run a line twice.
                 if await self._lifecycle.record(job.job_id) is None:
                     await self._submitter.submit_detached(job, queue=queue, limit=_NO_LIMIT)
@@ -244,7 +247,7 @@ class BatchRunner:
             await self._redis.hset(keys.batch_running(batch.id), str(number), job.job_id)
         await self._redis.ltrim(keys.batch_pending(batch.id), len(numbers), -1)
 
-    async def _collect(self, batch: Batch) -> None:
+    async def _collect(self, batch: StoredBatch) -> None:
         """Write the result of every line whose job ended; requeue lines whose worker died."""
         keys = self._keys
         running = await self._running(batch)
@@ -264,7 +267,7 @@ class BatchRunner:
                 await pipe.execute()
         await self._count(batch)
 
-    async def _stop_lines(self, batch: Batch, code: str | None, message: str) -> None:
+    async def _stop_lines(self, batch: StoredBatch, code: str | None, message: str) -> None:
         """Cancel every line still queued or running; with ``code``, each gets an error line
         (an expired batch reports them); without, they are dropped (a cancelled batch)."""
         keys = self._keys
@@ -283,18 +286,18 @@ class BatchRunner:
         await self._redis.delete(keys.batch_running(batch.id), keys.batch_pending(batch.id))
         await self._count(batch)
 
-    async def _running(self, batch: Batch) -> dict[int, str]:
+    async def _running(self, batch: StoredBatch) -> dict[int, str]:
         """Line number → job id of the lines enqueued and not yet collected."""
         raw = await self._redis.hgetall(self._keys.batch_running(batch.id))
         return {int(number): as_text(job_id) for number, job_id in raw.items()}
 
-    async def _lines(self, batch: Batch, numbers: list[int]) -> dict[int, BatchInputLine]:
+    async def _lines(self, batch: StoredBatch, numbers: list[int]) -> dict[int, BatchInputLine]:
         if not numbers:
             return {}
         raw_lines = await self._redis.hmget(self._keys.batch_requests(batch.id), numbers)
         return {n: BatchInputLine.model_validate_json(as_bytes(raw)) for n, raw in zip(numbers, raw_lines, strict=True)}
 
-    async def _count(self, batch: Batch) -> None:
+    async def _count(self, batch: StoredBatch) -> None:
         keys = self._keys
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hlen(keys.batch_outputs(batch.id))
@@ -305,7 +308,7 @@ class BatchRunner:
             counts.completed, counts.failed = int(completed), int(failed)
             await self._batches.save(batch)
 
-    async def _is_drained(self, batch: Batch) -> bool:
+    async def _is_drained(self, batch: StoredBatch) -> bool:
         keys = self._keys
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.llen(keys.batch_pending(batch.id))
@@ -313,7 +316,7 @@ class BatchRunner:
             pending, running = await pipe.execute()
         return pending == 0 and running == 0
 
-    async def _finish(self, batch: Batch, status: str) -> None:
+    async def _finish(self, batch: StoredBatch, status: str) -> None:
         """Write the output and error files (lines in input order), then the final status."""
         keys = self._keys
         for source, kind in ((keys.batch_outputs(batch.id), "output"), (keys.batch_errors(batch.id), "error")):
@@ -322,7 +325,8 @@ class BatchRunner:
                 continue
             ordered = [as_text(value) for _, value in sorted(lines.items(), key=lambda item: int(item[0]))]
             content = ("\n".join(ordered) + "\n").encode()
-            created = await self._files.create(content, f"{batch.id}_{kind}.jsonl", "batch_output")
+            name = f"{batch.id}_{kind}.jsonl"
+            created = await self._files.create(content, name, "batch_output", owner=batch.owner)
             if kind == "output":
                 batch.output_file_id = created.id
             else:
@@ -338,3 +342,9 @@ class BatchRunner:
             batch.cancelled_at = now
         await self._batches.save(batch)
         logger.info("batch %s %s: %s", batch.id, status, batch.request_counts.model_dump())
+
+
+def _summary(job_id: str, job: AnyJob | None, status: str) -> dict[str, Any]:
+    if job is None:
+        return {"id": job_id, "object": "chat.completion", "status": status, "choices": []}
+    return {"id": job_id, "object": "chat.completion", "created": job.created, "model": job.request.model}

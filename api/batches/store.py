@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from redis.asyncio import Redis
 
 from api.batches.record_index import page_of_records
+from api.tenancy import SINGLE_USER, Tenant
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import TERMINAL_STATUSES, Batch
 from shared.redis_keys import RedisKeys
@@ -29,6 +30,23 @@ def not_found(batch_id: str) -> RelayError:
     return RelayError(ErrorKind.NOT_FOUND, f"No batch with id `{batch_id}` (it never existed, or expired).", "batch_id")
 
 
+class StoredBatch(Batch):
+    """The batch as kept in Redis: the public object plus what only the API needs."""
+
+    owner: str | None = None  # the owner id of the key that created it; None without keys
+    num_lines: int = 0  # lines of its input file, known at creation (before validation counts them)
+
+    def public(self) -> Batch:
+        return Batch.model_validate(self.model_dump(exclude={"owner", "num_lines"}))
+
+    @property
+    def lines_left(self) -> int:
+        """Lines still to run or running (what the per-key batch line limit counts)."""
+        counts = self.request_counts
+        total = counts.total or self.num_lines
+        return max(0, total - counts.completed - counts.failed)
+
+
 class BatchStore:
     def __init__(self, redis: Redis, keys: RedisKeys, retention_s: int) -> None:
         self._redis = redis
@@ -36,7 +54,7 @@ class BatchStore:
         self._retention_s = retention_s
         self._release = redis.register_script(_RELEASE_IF_OURS)
 
-    async def create(self, batch: Batch) -> None:
+    async def create(self, batch: StoredBatch) -> None:
         keys = self._keys
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.set(keys.batch(batch.id), batch.model_dump_json())
@@ -44,13 +62,15 @@ class BatchStore:
             pipe.sadd(keys.active_batches(), batch.id)
             await pipe.execute()
 
-    async def get(self, batch_id: str) -> Batch:
+    async def get(self, batch_id: str, tenant: Tenant = SINGLE_USER) -> StoredBatch:
+        """The batch, if ``tenant`` may see it (404 otherwise, as for no batch at all)."""
         raw = await self._redis.get(self._keys.batch(batch_id))
-        if raw is None:
+        batch = StoredBatch.model_validate_json(raw) if raw is not None else None
+        if batch is None or not tenant.can_see(batch.owner):
             raise not_found(batch_id)
-        return Batch.model_validate_json(raw)
+        return batch
 
-    async def save(self, batch: Batch) -> None:
+    async def save(self, batch: StoredBatch) -> None:
         """Write the record; a final batch leaves the active set and expires with its results."""
         keys = self._keys
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -65,11 +85,24 @@ class BatchStore:
     async def active_ids(self) -> list[str]:
         return sorted(texts(await self._redis.smembers(self._keys.active_batches())))
 
-    async def list(self, limit: int, after: str | None) -> tuple[list[Batch], bool]:
-        """Newest first, after the batch ``after``."""
-        return await page_of_records(
-            self._redis, self._keys.batches(), self._keys.batch, Batch.model_validate_json, limit, after
-        )
+    async def list(self, limit: int, after: str | None, tenant: Tenant = SINGLE_USER) -> tuple[list[Batch], bool]:
+        """The batches ``tenant`` may see, newest first, after the batch ``after``."""
+        batches, has_more = await page_of_records(
+            self._redis, self._keys.batches(), self._keys.batch, StoredBatch.model_validate_json, limit, after,
+            keep=lambda batch: tenant.can_see(batch.owner),
+        )  # fmt: skip
+        return [batch.public() for batch in batches], has_more
+
+    async def lines_left(self, owner: str | None) -> int:
+        """Batch lines the owner's unfinished batches still have to run."""
+        left = 0
+        for batch_id in await self.active_ids():
+            raw = await self._redis.get(self._keys.batch(batch_id))
+            if raw is not None:
+                batch = StoredBatch.model_validate_json(raw)
+                if batch.owner == owner:
+                    left += batch.lines_left
+        return left
 
     @asynccontextmanager
     async def locked(self, batch_id: str, wait_s: float = 0.0) -> AsyncIterator[bool]:

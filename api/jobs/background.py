@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import Request
 
 from api.jobs.submitter import JobSubmitter, make_job, without_unknown_fields
+from api.tenancy import tenant_of
 from shared.jobs import ChatJob
 from shared.openai.chat_request import ChatCompletionRequest
 
@@ -26,7 +27,8 @@ def job_summary(job: ChatJob, status: str) -> dict[str, Any]:
 async def submit_background(submitter: JobSubmitter, body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
     await submitter.directory.require_live_worker(body.model)
     request_id = request.state.request_id
-    job = make_job(without_unknown_fields(body, request_id), request_id, request.state.request_id_is_ours)
+    tenant = tenant_of(request).owner
+    job = make_job(without_unknown_fields(body, request_id), request_id, request.state.request_id_is_ours, tenant)
     assert isinstance(job, ChatJob)
     await submitter.submit_detached(job, track=True)
     return job_summary(job, "queued")

@@ -16,8 +16,9 @@ from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
 from api.request_metrics import RequestObserver
 from api.settings import ApiSettings
+from api.tenancy import SINGLE_USER, Tenant
 from shared.errors import ErrorKind, RelayError
-from shared.job_lifecycle import JobLifecycle, JobQueueFull
+from shared.job_lifecycle import JobLifecycle, JobQueueFull, TenantJobsFull
 from shared.jobs import AnyJob, ChatJob, CompletionJob, EmbeddingJob, decode_job, encode_job
 from shared.log_setup import log_transition
 from shared.openai.chat_request import ChatCompletionRequest
@@ -44,16 +45,17 @@ def job_id_for(prefix: str, request_id: str, is_ours: bool) -> str:
     return f"{prefix}-{request_id}" if is_ours else f"{prefix}-{request_id}-{uuid.uuid4().hex[:8]}"
 
 
-def make_job(request: SubmittableRequest, request_id: str, is_ours: bool) -> AnyJob:
+def make_job(request: SubmittableRequest, request_id: str, is_ours: bool, tenant: str | None = None) -> AnyJob:
+    """``tenant``: the owner id of the API key that asks (None without keys)."""
     created = int(time.time())
     if isinstance(request, ChatCompletionRequest):
         job_id = job_id_for("chatcmpl", request_id, is_ours)
-        return ChatJob(kind="chat", job_id=job_id, request_id=request_id, created=created, request=request)
+        return ChatJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
     if isinstance(request, CompletionRequest):
         job_id = job_id_for("cmpl", request_id, is_ours)
-        return CompletionJob(kind="completion", job_id=job_id, request_id=request_id, created=created, request=request)
+        return CompletionJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
     job_id = job_id_for("embd", request_id, is_ours)
-    return EmbeddingJob(kind="embedding", job_id=job_id, request_id=request_id, created=created, request=request)
+    return EmbeddingJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
 
 
 class JobSubmitter:
@@ -80,12 +82,15 @@ class JobSubmitter:
         request_id: str | None = None,
         is_disconnected: DisconnectProbe | None = None,
         request_id_is_ours: bool = True,
+        tenant: str | None = None,
     ) -> JobStream:
+        """``tenant``: the asking key's owner id; it owns the job (a reconnect must be its own)
+        and counts towards the key's limit of open requests."""
         arrived_at = time.monotonic()
         request_id = request_id or uuid.uuid4().hex
         await self.directory.require_live_worker(request.model)
         request = without_unknown_fields(request, request_id)
-        job = make_job(request, request_id, request_id_is_ours)
+        job = make_job(request, request_id, request_id_is_ours, tenant)
         job_id = job.job_id
         observer = RequestObserver(self.metrics, request.model, arrived_at)
         channel = self.keys.job_events_channel(job_id)
@@ -106,8 +111,9 @@ class JobSubmitter:
     ) -> None:
         """Enqueue a job no client streams (a background job, a batch line): its result is
         collected from its event log. ``queue``: the model's interactive queue unless given;
-        ``track``: add it to the background set that API processes collect results for."""
-        await self._enqueue(job, queue, limit)
+        ``track``: add it to the background set that API processes collect results for (and
+        count it towards its key's limit of open requests, as a streamed request counts)."""
+        await self._enqueue(job, queue, limit, counts_for_key=track)
         if track:
             try:
                 await self.lifecycle.track_background(job.job_id)
@@ -115,15 +121,26 @@ class JobSubmitter:
                 raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
         log_transition(logger, "queued", job.job_id, job.request_id, model=job.request.model, detached=True)
 
-    async def _enqueue(self, job: AnyJob, queue: str | None = None, limit: int | None = None) -> None:
-        """Store the request and queue the job in one round trip, under the queue's limit."""
+    async def _enqueue(
+        self, job: AnyJob, queue: str | None = None, limit: int | None = None, counts_for_key: bool = True
+    ) -> None:
+        """Store the request and queue the job in one round trip, under the queue's limit and its
+        key's (batch lines have their own per-key limit, checked when the batch is created)."""
         model = job.request.model
         queue = queue or self.keys.queue(model)
         limit = self.settings.max_pending_per_model if limit is None else limit
+        key_limit = self.settings.max_requests_per_key if counts_for_key else 0
         try:
-            await self.lifecycle.create(job.job_id, encode_job(job), model, queue, limit)
+            await self.lifecycle.create(job.job_id, encode_job(job), model, queue, limit, job.tenant, key_limit)
         except RedisError as exc:
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
+        except TenantJobsFull:
+            self.metrics.request_failure.labels(model, "key_limit").inc()
+            raise RelayError(
+                ErrorKind.KEY_LIMIT_REACHED,
+                f"This API key has {key_limit} requests queued or running, its limit; retry shortly.",
+                retry_after_s=self.settings.retry_after_s,
+            ) from None
         except JobQueueFull:
             self.metrics.request_failure.labels(model, "queue_full").inc()
             raise RelayError(
@@ -132,10 +149,11 @@ class JobSubmitter:
                 retry_after_s=self.settings.retry_after_s,
             ) from None
 
-    async def attach(self, job_id: str, last_event_id: int | None) -> JobStream:
+    async def attach(self, job_id: str, last_event_id: int | None, tenant: Tenant = SINGLE_USER) -> JobStream:
         """A client reconnecting to a job (``Last-Event-ID``, possibly to another API process):
         subscribe first, then read the log, so no event falls between the two. An id the job
-        never sent is a 400; a client that already has an ended job's last event gets the end."""
+        never sent is a 400; a client that already has an ended job's last event gets the end.
+        Another key's job is a 404, the same as one that never existed."""
         if last_event_id is not None and last_event_id < 0:
             raise RelayError(
                 ErrorKind.INVALID_REQUEST, "Last-Event-ID must be an event id (0 or more).", "last_event_id"
@@ -145,7 +163,8 @@ class JobSubmitter:
             payload = await self.lifecycle.payload(job_id)
         except RedisError as exc:
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
-        if record is None or payload is None:
+        job = decode_job(payload) if payload is not None else None
+        if record is None or job is None or not tenant.can_see(job.tenant):
             raise RelayError(ErrorKind.NOT_FOUND, f"No job `{job_id}` (it never existed or has expired).")
         next_seq = 0 if last_event_id is None else last_event_id + 1
         has_everything = record.state.is_final and next_seq == record.next_seq
@@ -155,7 +174,6 @@ class JobSubmitter:
                 f"Last-Event-ID {last_event_id} is past the last event of job `{job_id}` ({record.next_seq - 1}).",
                 "last_event_id",
             )
-        job = decode_job(payload)
         channel = self.keys.job_events_channel(job_id)
         queue = await self.router.subscribe(channel)
         try:

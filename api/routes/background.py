@@ -15,6 +15,7 @@ from api.batches.runner import BatchRunner
 from api.jobs.background import job_summary
 from api.jobs.detached import DetachedJobs
 from api.routes.chat import ERROR_RESPONSES
+from api.tenancy import Tenant, tenant_of
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle
 from shared.jobs import ChatJob, decode_job
@@ -22,12 +23,29 @@ from shared.jobs import ChatJob, decode_job
 router = APIRouter()
 
 
-async def _background_job(lifecycle: JobLifecycle, job_id: str) -> ChatJob:
+def _not_found(job_id: str) -> RelayError:
+    return RelayError(ErrorKind.NOT_FOUND, f"No background chat completion `{job_id}` (or it expired).")
+
+
+async def _background_job(lifecycle: JobLifecycle, job_id: str, tenant: Tenant) -> ChatJob:
+    """The job, if it is a background job the tenant may see; another key's is a 404."""
     payload = await lifecycle.payload(job_id)
     job = decode_job(payload) if payload is not None else None
-    if not isinstance(job, ChatJob) or not job.request.background:
-        raise RelayError(ErrorKind.NOT_FOUND, f"No background chat completion `{job_id}` (or it expired).")
+    if not isinstance(job, ChatJob) or not job.request.background or not tenant.can_see(job.tenant):
+        raise _not_found(job_id)
     return job
+
+
+async def _stored_result(request: Request, job_id: str) -> dict[str, Any] | None:
+    """The kept result of an ended background job, if the asking key may see it (404 if not)."""
+    state = request.app.state
+    raw = await state.redis.get(state.settings.keys.job_result(job_id))
+    if raw is None:
+        return None
+    record: dict[str, Any] = json.loads(raw)
+    if not tenant_of(request).can_see(record.get("tenant")):
+        raise _not_found(job_id)
+    return record
 
 
 def _from_record(job_id: str, record: dict[str, Any], job: ChatJob | None) -> dict[str, Any]:
@@ -45,17 +63,17 @@ def _from_record(job_id: str, record: dict[str, Any], job: ChatJob | None) -> di
 async def get_background(request: Request, job_id: str) -> dict[str, Any]:
     state = request.app.state
     redis, keys = state.redis, state.settings.keys
-    raw = await redis.get(keys.job_result(job_id))
-    if raw is not None:
-        return _from_record(job_id, json.loads(raw), None)
-    job = await _background_job(state.lifecycle, job_id)
+    stored = await _stored_result(request, job_id)
+    if stored is not None:
+        return _from_record(job_id, stored, None)
+    job = await _background_job(state.lifecycle, job_id, tenant_of(request))
     jobs: DetachedJobs = state.detached_jobs
     current = (await jobs.states([job_id]))[job_id]
     if current.outcome is None:
         return job_summary(job, current.status)
     runner: BatchRunner = state.batch_runner
     status = "completed" if current.outcome.succeeded else "failed"
-    await runner.store_result(job_id, status, current.outcome, job_summary(job, status))
+    await runner.store_result(job_id, status, current.outcome, job_summary(job, status), job.tenant)
     return _from_record(job_id, json.loads(await redis.get(keys.job_result(job_id))), job)
 
 
@@ -66,14 +84,13 @@ async def get_background(request: Request, job_id: str) -> dict[str, Any]:
 )
 async def cancel_background(request: Request, job_id: str) -> dict[str, Any]:
     state = request.app.state
-    redis, keys = state.redis, state.settings.keys
-    raw = await redis.get(keys.job_result(job_id))
-    if raw is not None:
-        return _from_record(job_id, json.loads(raw), None)  # already over: nothing to cancel
-    job = await _background_job(state.lifecycle, job_id)
+    stored = await _stored_result(request, job_id)
+    if stored is not None:
+        return _from_record(job_id, stored, None)  # already over: nothing to cancel
+    job = await _background_job(state.lifecycle, job_id, tenant_of(request))
     await state.lifecycle.cancel([job_id])
     runner: BatchRunner = state.batch_runner
-    await runner.store_result(job_id, "cancelled", None, job_summary(job, "cancelled"))
+    await runner.store_result(job_id, "cancelled", None, job_summary(job, "cancelled"), job.tenant)
     return job_summary(job, "cancelled")
 
 
@@ -83,8 +100,8 @@ async def cancel_background(request: Request, job_id: str) -> dict[str, Any]:
 async def delete_background(request: Request, job_id: str) -> dict[str, Any]:
     state = request.app.state
     redis, keys = state.redis, state.settings.keys
-    if await redis.get(keys.job_result(job_id)) is None:
-        await _background_job(state.lifecycle, job_id)  # 404 unless it exists
+    if await _stored_result(request, job_id) is None:
+        await _background_job(state.lifecycle, job_id, tenant_of(request))  # 404 unless it exists
         raise RelayError(ErrorKind.CONFLICT, f"Chat completion `{job_id}` is still running; cancel it first.")
     # The request and event log go too, so the job is gone for good (not collected again).
     await redis.delete(keys.job_result(job_id))

@@ -13,6 +13,7 @@ from api.jobs.submitter import JobSubmitter, SubmittableRequest
 from api.render.chat import collect_completion
 from api.render.chat_stream import sse_chunks, sse_response
 from api.settings import ApiSettings
+from api.tenancy import tenant_of
 from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent
 from shared.openai.chat_request import ChatCompletionRequest
@@ -47,7 +48,8 @@ async def start_stream(submitter: JobSubmitter, body: SubmittableRequest, reques
     long, bad template input) can still be a proper HTTP error instead of a 200 stream. None: the
     client left while waiting."""
     state = request.state
-    stream = await submitter.submit(body, state.request_id, request.is_disconnected, state.request_id_is_ours)
+    tenant = tenant_of(request).owner
+    stream = await submitter.submit(body, state.request_id, request.is_disconnected, state.request_id_is_ours, tenant)
     try:
         first = await stream.next_event()
     except ClientDisconnected:

@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from api.batches.file_store import FileStore
 from api.routes.chat import ERROR_RESPONSES, with_errors
+from api.tenancy import tenant_of
 from shared.errors import ErrorKind, RelayError
 from shared.openai.batch import FileDeleted, FileList, FileObject
 
@@ -30,7 +31,21 @@ async def upload_file(
     content = await file.read()
     if not content:
         raise RelayError(ErrorKind.INVALID_REQUEST, "The file is empty.", "file")
-    return await _store(request).create(content, file.filename or "upload.jsonl", "batch")
+    _require_utf8(content)
+    owner = tenant_of(request).owner
+    return await _store(request).create(content, file.filename or "upload.jsonl", "batch", owner=owner)
+
+
+def _require_utf8(content: bytes) -> None:
+    """A batch input file is JSONL, so UTF-8 text: other bytes are refused here, naming the line,
+    rather than failing the batch later. (Lone surrogates in JSON escapes are valid UTF-8; batch
+    validation names the line and field that holds one.)"""
+    try:
+        content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = content.count(b"\n", 0, exc.start) + 1
+        message = f"The file is not valid UTF-8 (line {line}, byte {exc.start}); a batch input file is JSONL text."
+        raise RelayError(ErrorKind.INVALID_REQUEST, message, "file") from None
 
 
 @router.get("/v1/files", response_model=FileList, responses=ERROR_RESPONSES, summary="List files")
@@ -41,7 +56,9 @@ async def list_files(
     after: str | None = None,
     order: Literal["asc", "desc"] = "desc",
 ) -> FileList:
-    files, has_more = await _store(request).list(purpose, limit, after, newest_first=order == "desc")
+    files, has_more = await _store(request).list(
+        purpose, limit, after, newest_first=order == "desc", tenant=tenant_of(request)
+    )
     return FileList(
         data=files,
         first_id=files[0].id if files else None,
@@ -54,7 +71,7 @@ async def list_files(
     "/v1/files/{file_id}", response_model=FileObject, responses=ERROR_RESPONSES, summary="Get a file's metadata"
 )
 async def get_file(request: Request, file_id: str) -> FileObject:
-    return await _store(request).get(file_id)
+    return (await _store(request).get(file_id, tenant_of(request))).public()
 
 
 @router.get(
@@ -64,13 +81,13 @@ async def get_file(request: Request, file_id: str) -> FileObject:
 )
 async def get_file_content(request: Request, file_id: str) -> Response:
     store = _store(request)
-    meta = await store.get(file_id)
-    content = await store.content(file_id)
+    meta = await store.get(file_id, tenant_of(request))
+    content = await store.content(file_id, tenant_of(request))
     media_type = "application/jsonl" if meta.filename.endswith(".jsonl") else "application/octet-stream"
     return Response(content, media_type=media_type)
 
 
 @router.delete("/v1/files/{file_id}", response_model=FileDeleted, responses=ERROR_RESPONSES, summary="Delete a file")
 async def delete_file(request: Request, file_id: str) -> FileDeleted:
-    await _store(request).delete(file_id)
+    await _store(request).delete(file_id, tenant_of(request))
     return FileDeleted(id=file_id)

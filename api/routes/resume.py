@@ -12,6 +12,7 @@ from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_chunks, sse_response
 from api.render.completion import sse_completion_chunks
 from api.routes.chat import with_errors
+from api.tenancy import tenant_of
 from shared.errors import ErrorKind, RelayError
 from shared.jobs import ChatJob, CompletionJob
 
@@ -30,7 +31,7 @@ def _last_event_id(header: str | None, query: int | None) -> int | None:
 
 async def _attach(request: Request, job_id: str, last_event_id: int | None, kind: type) -> EventSourceResponse:
     submitter: JobSubmitter = request.app.state.submitter
-    stream = await submitter.attach(job_id, last_event_id)
+    stream = await submitter.attach(job_id, last_event_id, tenant_of(request))
     if not isinstance(stream.job, kind):
         await stream.close()
         raise RelayError(ErrorKind.NOT_FOUND, f"No {kind.__name__.removesuffix('Job').lower()} job `{job_id}`.")

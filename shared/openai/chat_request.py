@@ -24,7 +24,8 @@ class TextContentPart(_Wire):
 
 
 ContentPart = Annotated[TextContentPart, Field(discriminator="type")]
-MessageContent = str | list[ContentPart]
+# OpenAI rejects an empty content array ("expected an array with minimum length 1").
+MessageContent = str | Annotated[list[ContentPart], Field(min_length=1)]
 
 
 class FunctionCall(_Wire):

@@ -55,6 +55,21 @@ def test_every_problem_is_reported_with_its_line() -> None:
     assert result.errors[4].param == "body.model"
 
 
+def test_bad_inputs_in_batch_lines_are_refused_as_in_json_bodies() -> None:
+    lines = [
+        _line("a", messages=[{"role": "user", "content": []}]),  # an empty content array
+        _line("b", logit_bias={"-1": 5}),  # a token id that cannot exist
+        _line("c", metadata={"\ud800": "x"}),  # a lone surrogate in a key
+        _line("d", response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {"\udfff": 1}}}),
+    ]
+    result = _check("\n".join(lines))
+    assert [(e.line, e.code) for e in result.errors] == [(n, "invalid_request") for n in (1, 2, 3, 4)]
+    assert result.errors[0].param is not None and result.errors[0].param.startswith("body.messages.0")
+    assert result.errors[1].param == "body.logit_bias"
+    assert result.errors[2].param == "body.metadata.\\ud800"
+    assert result.errors[3].param == "body.response_format.json_schema.schema.\\udfff"
+
+
 def test_one_model_per_batch() -> None:
     result = validate_batch_file(
         (_line("a") + "\n" + _line("b", model="other")).encode(),

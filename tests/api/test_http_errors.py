@@ -48,8 +48,21 @@ def _assert_error_shape(response: httpx.Response, status: int) -> dict[str, obje
             f'{{"model": "{TINY_MODEL}", "messages": [{{"role": "tool", "content": "x"}}]}}',
             "messages.0.tool.tool_call_id",
         ),
+        # OpenAI rejects an empty content array.
+        (f'{{"model": "{TINY_MODEL}", "messages": [{{"role": "user", "content": []}}]}}', "messages.0.user.content"),
+        # Token ids: negative ones in the schema; past the vocabulary by the worker, before the stream starts.
+        (f'{{"model": "{TINY_MODEL}", "messages": [{{"role": "user", "content": "x"}}], "logit_bias": {{"-1": 1}}}}',
+         "logit_bias"),
+        (f'{{"model": "{TINY_MODEL}", "messages": [{{"role": "user", "content": "x"}}], "stream": true, '
+         '"logit_bias": {"99999999": 1}}', "logit_bias"),
+        # A lone surrogate in an object key (metadata, a schema property name) is named in the path, escaped.
+        (f'{{"model": "{TINY_MODEL}", "messages": [{{"role": "user", "content": "x"}}], '
+         '"metadata": {"\\ud800": "v"}}', "metadata.\\ud800"),
+        (f'{{"model": "{TINY_MODEL}", "messages": [{{"role": "user", "content": "x"}}], "response_format": '
+         '{"type": "json_schema", "json_schema": {"name": "s", "schema": {"properties": {"\\udfff": {}}}}}}',
+         "response_format.json_schema.schema.properties.\\udfff"),
     ],
-)
+)  # fmt: skip
 def test_invalid_bodies_are_400_with_param(tiny_stack: Stack, payload: str, param: str | None) -> None:
     error = _assert_error_shape(_post(tiny_stack, payload), 400)
     assert error["type"] == "invalid_request_error"

@@ -150,6 +150,17 @@ def test_bad_batch_and_file_requests_get_openai_errors(batch_stack: Stack) -> No
         f"{batch_stack.base_url}/v1/files", files={"file": ("big.jsonl", b"x" * 1_200_000)}, data={"purpose": "batch"}
     )
     assert response.status_code == 413 and response.json()["error"]["code"] == "payload_too_large"
+    # A multipart upload is checked like a JSON body: bytes that are not UTF-8 are a 400 naming the line.
+    not_text = httpx.post(
+        f"{batch_stack.base_url}/v1/files", files={"file": ("x.jsonl", b"{}\n\xff\xfe\n")}, data={"purpose": "batch"}
+    )
+    assert not_text.status_code == 400 and not_text.json()["error"]["param"] == "file"
+    assert "line 2" in not_text.json()["error"]["message"]
+    odd_name = httpx.post(  # a filename that is not UTF-8 is kept as its bytes decode, never a 500
+        f"{batch_stack.base_url}/v1/files", files={"file": (b"\xff.jsonl".decode("latin-1"), b"{}\n")},
+        data={"purpose": "batch"},
+    )  # fmt: skip
+    assert odd_name.status_code == 200
     uploaded = client.files.create(file=("gone.jsonl", _jsonl([_line("a")])), purpose="batch")
     assert client.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):

@@ -231,23 +231,6 @@ def test_1_redis_restarted_without_persistence_loses_the_batch_with_a_404_and_se
         volatile.stop()
 
 
-def test_the_api_killed_during_a_batch_and_restarted_ends_every_line_once(
-    fresh_stack: Stack, tiny_model_path: Path
-) -> None:
-    fresh_stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=512)
-    batch_id = _submit_batch(fresh_stack.base_url, 40)
-    _wait_completed(fresh_stack.base_url, batch_id, at_least=5, timeout_s=60)
-    assert fresh_stack.api is not None
-    fresh_stack.api.popen.send_signal(signal.SIGKILL)
-    fresh_stack.api.popen.wait()
-    time.sleep(2.0)  # the worker goes on with the lines it claimed; nobody collects them meanwhile
-    fresh_stack.start_api()
-    current = _wait_completed(fresh_stack.base_url, batch_id, at_least=41, timeout_s=90)
-    assert current.get("status") == "completed", current
-    output, errors = _each_line_once(fresh_stack.base_url, current, 40)
-    assert not errors and len(output) == 40
-
-
 def test_a_killed_workers_batch_lines_leave_it_within_the_lease_and_end_once(two_workers: Stack) -> None:
     # A running job whose owner is gone is requeued within its lease (the heartbeat TTL) plus 10 s.
     batch_id = _submit_batch(two_workers.base_url, 40, max_tokens=120)

@@ -1,4 +1,6 @@
-"""schemathesis against the served OpenAPI schema: whatever it sends, no 5xx (time-bounded).
+"""schemathesis against the served OpenAPI schema, over every route: whatever it sends, no 5xx,
+every answer has a status, content type and body the schema documents, and every error is
+OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``).
 
 Drives schemathesis' per-operation hypothesis strategies directly (its pytest plugin does not
 support this pytest version)."""
@@ -11,7 +13,12 @@ from pathlib import Path
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import (
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from tests.conftest import make_stack
 from tests.support.stack import Stack
@@ -39,6 +46,28 @@ def test_no_request_makes_the_server_fail(fuzz_stack: Stack) -> None:
         _fuzz_operation(operation, fuzz_stack.base_url)
 
 
+@schemathesis.check
+def openai_error_shape(ctx: object, response: schemathesis.Response, case: schemathesis.Case) -> bool | None:
+    """Every 4xx and 5xx body is exactly an OpenAI error object."""
+    if response.status_code < 400:
+        return None
+    body = response.json()
+    if not (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict)):
+        raise AssertionError(f"{response.status_code} body is not {{'error': ...}}: {response.text[:300]}")
+    if set(body["error"]) != {"message", "type", "param", "code"} or not body["error"]["message"]:
+        raise AssertionError(f"{response.status_code} error fields are not OpenAI's: {response.text[:300]}")
+    return True
+
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    openai_error_shape,
+]
+
+
 def _fuzz_operation(operation: schemathesis.APIOperation, base_url: str) -> None:
     @given(case=operation.as_strategy())
     @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -48,6 +77,6 @@ def _fuzz_operation(operation: schemathesis.APIOperation, base_url: str) -> None
         if operation.path == "/ready":  # 503 is its documented answer for "not ready"
             assert case.call(base_url=base_url, timeout=30).status_code in (200, 503)
         else:
-            case.call_and_validate(base_url=base_url, checks=[not_a_server_error], timeout=30)
+            case.call_and_validate(base_url=base_url, checks=CHECKS, timeout=30)
 
     fuzz()

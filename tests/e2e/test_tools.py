@@ -180,6 +180,17 @@ def test_json_schema_response_format_is_followed_by_a_random_model(qwen_stack: S
     assert json.loads(anything.choices[0].message.content) == {}
 
 
+def test_a_schema_without_a_finite_value_is_a_400_not_an_empty_reply(qwen_stack: Stack) -> None:
+    forever = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+    with pytest.raises(openai.BadRequestError) as raised:
+        qwen_stack.client().chat.completions.create(
+            model=RANDOM, messages=[{"role": "user", "content": "x"}], max_tokens=20,
+            response_format={"type": "json_schema", "json_schema": {"name": "f", "schema": forever, "strict": True}},
+        )  # fmt: skip
+    assert raised.value.body["param"] == "response_format"  # type: ignore[index]
+    assert "no finite value" in raised.value.body["message"]  # type: ignore[index]
+
+
 def test_reasoning_goes_to_its_own_field(qwen_stack: Stack) -> None:
     think_token = "151667"  # <think>: the random model is pushed to open a thinking block
     reply = qwen_stack.client().chat.completions.create(

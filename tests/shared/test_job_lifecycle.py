@@ -18,6 +18,7 @@ from shared.job_lifecycle import (
     JobLifecycle,
     JobQueueFull,
     JobState,
+    TenantJobsFull,
 )
 from shared.redis_keys import JOB_MAX_ATTEMPTS, RedisKeys
 
@@ -65,6 +66,29 @@ async def test_a_job_is_claimed_once_with_a_new_epoch_and_its_payload(env) -> No
         )
     )
     assert await lifecycle.running_job_ids() == ["j1"]
+
+
+async def test_a_tenant_limit_counts_its_open_jobs_until_they_end(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, appender, keys = env
+    queue = keys.queue("m")
+    await lifecycle.create("a1", b"{}", "m", queue, tenant="A", tenant_limit=2)
+    await lifecycle.create("a2", b"{}", "m", queue, tenant="A", tenant_limit=2)
+    with pytest.raises(TenantJobsFull):
+        await lifecycle.create("a3", b"{}", "m", queue, tenant="A", tenant_limit=2)
+    await lifecycle.create("b1", b"{}", "m", queue, tenant="B", tenant_limit=2)  # another tenant: its own count
+    await lifecycle.create("x1", b"{}", "m", queue, tenant="A")  # not counted (a batch line)
+    record = await lifecycle.record("a1")
+    assert record is not None and record.tenant == "A"
+    # One ends by its worker's last event, one by a cancel: both free a slot.
+    claim = await lifecycle.claim(queue, "w", "i")
+    assert claim is not None and claim.job_id == "a1"
+    [reply] = appender.append([AppendRequest("a1", claim.epoch, _encoded(START), JobState.FINISHED)])
+    assert reply.status is AppendStatus.WRITTEN
+    await lifecycle.create("a3", b"{}", "m", queue, tenant="A", tenant_limit=2)
+    await lifecycle.cancel(["a2"])
+    await lifecycle.create("a4", b"{}", "m", queue, tenant="A", tenant_limit=2)
+    with pytest.raises(TenantJobsFull):
+        await lifecycle.create("a5", b"{}", "m", queue, tenant="A", tenant_limit=2)
 
 
 async def test_the_queue_limit_counts_queued_and_running_jobs(env) -> None:  # type: ignore[no-untyped-def]

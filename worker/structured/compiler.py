@@ -30,6 +30,7 @@ from worker.structured.json_grammar import json_object_grammar, json_schema_gram
 from worker.structured.lark_text import TagTokens
 from worker.structured.matcher import ConstraintMatcher
 from worker.structured.qwen3_coder_grammar import qwen3_coder_grammar
+from worker.structured.schema_finiteness import admits_finite_value
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -103,6 +104,7 @@ class ConstraintCompiler:
         return compiled
 
     def _compile(self, constraint: Constraint) -> CompiledConstraint:
+        _require_finite_values(constraint)
         grammar = self.grammar_text(constraint)
         # Construction drops the GIL, so compiling outside the lock lets other threads run.
         initial = llguidance.LLMatcher(self._ll_tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
@@ -124,3 +126,19 @@ class ConstraintCompiler:
             case ToolCallConstraint(format="qwen3_coder", tools=tools, is_parallel=is_parallel):
                 return qwen3_coder_grammar(tools, is_parallel, self.tags)
         raise ValueError(f"no grammar for {constraint!r}")
+
+
+def _require_finite_values(constraint: Constraint) -> None:
+    """400 for a schema no finite JSON satisfies (a required recursion without a way out): its
+    grammar accepts nothing, and the model could only stop at once with empty content."""
+    match constraint:
+        case JsonSchemaConstraint(schema=schema):
+            schemas = [("response_format", schema)]
+        case ToolCallConstraint(tools=tools):
+            schemas = [(f"tools ({tool.name})", tool.parameters) for tool in tools]
+        case _:
+            schemas = []
+    for where, schema in schemas:
+        if not admits_finite_value(schema):
+            message = f"The JSON schema of {where} admits no finite value: a required property recurses forever."
+            raise RelayError(ErrorKind.INVALID_REQUEST, message, constraint.request_param)

@@ -99,3 +99,39 @@ def test_non_strict_schema_ignores_unenforceable_keyword(smollm2_case: Tokenizer
     walk = random_walk(compiled, smollm2_case.tokenizer, smollm2_case.vocab_size, seed=0)
     assert walk.is_terminated
     assert isinstance(json.loads(walk.text), dict)
+
+
+# Recursion with a way out (here a nullable link) is enforced as written. (A random walk through
+# a branching recursion, such as a tree, rarely ends; a list does.)
+LIST_SCHEMA: dict[str, Any] = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 4},
+                "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]},
+            },
+            "required": ["name", "next"],
+            "additionalProperties": False,
+        }
+    },
+    "$ref": "#/$defs/node",
+}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_strict_recursive_schema_is_enforced(smollm2_case: TokenizerCase, seed: int) -> None:
+    compiled = smollm2_case.compiler.compile_constraint(JsonSchemaConstraint(LIST_SCHEMA, is_strict=True))
+    walk = random_walk(compiled, smollm2_case.tokenizer, smollm2_case.vocab_size, seed)
+    assert walk.is_terminated, walk.text
+    jsonschema.validate(json.loads(walk.text), LIST_SCHEMA)
+
+
+@pytest.mark.parametrize("is_strict", [True, False])
+def test_a_schema_that_recurses_forever_is_a_400(smollm2_case: TokenizerCase, is_strict: bool) -> None:
+    # Every value needs a `child`, which needs a `child`...: no finite JSON satisfies it.
+    schema = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+    with pytest.raises(RelayError) as raised:
+        smollm2_case.compiler.compile_constraint(JsonSchemaConstraint(schema, is_strict=is_strict))
+    assert raised.value.kind is ErrorKind.INVALID_REQUEST and raised.value.param == "response_format"
+    assert "no finite value" in raised.value.message
