@@ -113,6 +113,8 @@ class JobStream:
         self._silent_since = time.monotonic()
         self.is_finished = is_finished
         self._closed = False
+        # The first event, still awaited when a stream started before its job did (see first_event).
+        self._pending_first: asyncio.Task[AnyEvent] | None = None
 
     def stop_disconnect_probe(self) -> None:
         """Once a streaming response has started, sse-starlette owns the disconnect signal."""
@@ -122,8 +124,21 @@ class JobStream:
     def job_id(self) -> str:
         return self.job.job_id
 
+    async def first_event(self, timeout_s: float | None) -> AnyEvent | None:
+        """The first event, or None when ``timeout_s`` passes first (the job is still queued):
+        the caller may then start streaming, and ``next_event`` goes on waiting for it."""
+        task = asyncio.create_task(self.next_event())
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if done:
+            return task.result()
+        self._pending_first = task
+        return None
+
     async def next_event(self) -> AnyEvent:
         """The next in-order event; raises RelayError for what the job's events cannot say."""
+        if self._pending_first is not None:
+            task, self._pending_first = self._pending_first, None
+            return await task
         try:
             event = await self._next_in_order()
         except RedisError as exc:
@@ -155,6 +170,9 @@ class JobStream:
         if self._closed:
             return
         self._closed = True
+        if self._pending_first is not None:
+            self._pending_first.cancel()
+            await asyncio.gather(self._pending_first, return_exceptions=True)
         services = self._services
         await services.router.unsubscribe(services.lifecycle.keys.job_events_channel(self.job_id))
         if self.is_finished or self.job.request.resumable or keep_job:

@@ -45,13 +45,16 @@ def check_request_limits(body: ChatCompletionRequest, settings: ApiSettings) -> 
 
 async def start_stream(submitter: JobSubmitter, body: SubmittableRequest, request: Request) -> JobStream | None:
     """Submit, then wait for the worker's first word before answering: a rejection (context too
-    long, bad template input) can still be a proper HTTP error instead of a 200 stream. None: the
-    client left while waiting."""
+    long, bad template input) can still be a proper HTTP error instead of a 200 stream. A stream
+    whose job is still queued after one keep-alive period starts anyway, so that keep-alive
+    comments flow while it waits (proxies cut silent connections); a rejection then arrives as
+    an error event. None: the client left while waiting."""
     state = request.state
     tenant = tenant_of(request).owner
     stream = await submitter.submit(body, state.request_id, request.is_disconnected, state.request_id_is_ours, tenant)
+    wait_s = submitter.settings.sse_ping_interval_s if body.stream else None
     try:
-        first = await stream.next_event()
+        first = await stream.first_event(wait_s)
     except ClientDisconnected:
         await stream.close()
         return None
