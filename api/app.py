@@ -21,7 +21,19 @@ from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
 from api.middleware import ApiKeyMiddleware, BodyGuardMiddleware
 from api.request_context import RequestContextMiddleware
-from api.routes import background, batches, chat, completions, embeddings, files, health, metrics, models, resume
+from api.routes import (
+    background,
+    batches,
+    chat,
+    completions,
+    embeddings,
+    files,
+    health,
+    messages,
+    metrics,
+    models,
+    resume,
+)
 from api.settings import ApiSettings
 from api.tenancy import KeyRing
 from shared.connection import connect_redis, redacted
@@ -85,7 +97,15 @@ def create_app(settings: ApiSettings) -> FastAPI:
             CORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
-            allow_headers=["authorization", "content-type", "last-event-id", "x-request-id"],
+            allow_headers=[
+                "authorization",
+                "content-type",
+                "last-event-id",
+                "x-request-id",
+                "x-api-key",
+                "anthropic-version",
+                "anthropic-beta",
+            ],
             expose_headers=["x-request-id"],
         )
     app.add_middleware(DrainingMiddleware, gate=drain_gate(app), retry_after_s=settings.retry_after_s)
@@ -93,6 +113,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(embeddings.router)
+    app.include_router(messages.router)
     app.include_router(resume.router)
     app.include_router(background.router)
     app.include_router(files.router)

@@ -79,7 +79,7 @@ class DrainingMiddleware:
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = "This server is shutting down; retry the request (another instance may take it)."
         error = RelayError(ErrorKind.SERVER_SHUTTING_DOWN, message, retry_after_s=self.retry_after_s)
-        response = error_response(error)
+        response = error_response(error, scope["path"])
         # A kept-alive connection would bring the client's next request back to this process.
         response.headers["connection"] = "close"
         await response(scope, receive, send)

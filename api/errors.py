@@ -1,4 +1,5 @@
-"""Every failure leaves the API as an OpenAI error body with the status from the error table."""
+"""Every failure leaves the API as an OpenAI error body with the status from the error table; on
+the Anthropic Messages routes, as Anthropic's error body with the same status."""
 
 from __future__ import annotations
 
@@ -23,12 +24,17 @@ _HTTP_STATUS_KINDS = {404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWE
 DEFAULT_RETRY_AFTER_S = 2
 
 
-def error_response(error: RelayError) -> JSONResponse:
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+
+
+def error_response(error: RelayError, path: str = "") -> JSONResponse:
+    """``path``: the request's; the Messages API's routes answer in Anthropic's error shape."""
     retry_after_s = error.retry_after_s
     if retry_after_s is None and error.status in (429, 503):
         retry_after_s = DEFAULT_RETRY_AFTER_S
     headers = {"retry-after": str(retry_after_s)} if retry_after_s is not None else None
-    return JSONResponse(error.to_body(), status_code=error.status, headers=headers)
+    body = error.to_anthropic_body() if path.startswith(ANTHROPIC_PATH_PREFIX) else error.to_body()
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 def _param(location: tuple[Any, ...]) -> str | None:
@@ -62,25 +68,30 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RelayError)
-    async def _relay_error(_request: Request, exc: RelayError) -> JSONResponse:
-        return error_response(exc)
+    async def _relay_error(request: Request, exc: RelayError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = _HTTP_STATUS_KINDS.get(exc.status_code, ErrorKind.INVALID_REQUEST)
         error = RelayError(kind, str(exc.detail))
-        return JSONResponse(error.to_body(), status_code=exc.status_code, headers=exc.headers)
+        response = error_response(error, request.url.path)
+        response.status_code = exc.status_code
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
 
     @app.exception_handler(RedisError)
-    async def _redis(_request: Request, exc: RedisError) -> JSONResponse:
+    async def _redis(request: Request, exc: RedisError) -> JSONResponse:
         logger.warning("Redis error while serving a request: %s", exc)
-        return error_response(RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly"))
+        error = RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly")
+        return error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return error_response(RelayError(ErrorKind.INTERNAL, "internal server error"))
+        return error_response(RelayError(ErrorKind.INTERNAL, "internal server error"), request.url.path)

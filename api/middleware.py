@@ -29,19 +29,24 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self._exempt or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        found = self._keyring.match(token.strip()) if scheme.lower() == b"bearer" else None
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() != b"bearer":  # Anthropic's SDK sends x-api-key instead
+            token = headers.get(b"x-api-key", b"")
+        found = self._keyring.match(token.strip()) if token.strip() else None
         if found is None:
-            error = RelayError(ErrorKind.UNAUTHORIZED, "Missing or invalid API key: send Authorization: Bearer <key>.")
-            response = error_response(error)
+            error = RelayError(
+                ErrorKind.UNAUTHORIZED,
+                "Missing or invalid API key: send Authorization: Bearer <key> (or x-api-key: <key>).",
+            )
+            response = error_response(error, scope["path"])
             response.headers["www-authenticate"] = "Bearer"
             await response(scope, receive, send)
             return
         try:
             tenant = await self._keyring.tenant(*found)
         except RelayError as error:
-            await error_response(error)(scope, receive, send)
+            await error_response(error, scope["path"])(scope, receive, send)
             return
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
@@ -71,7 +76,7 @@ class BodyGuardMiddleware:
             if b"json" in headers.get(b"content-type", b"application/json"):
                 check_json_text(body)
         except RelayError as error:
-            await error_response(error)(scope, receive, send)
+            await error_response(error, scope["path"])(scope, receive, send)
             return
         await self.app(scope, _replay(body, more, receive), send)
 

@@ -90,7 +90,28 @@ class RelayError(Exception):
     def status(self) -> int:
         return self.spec.status
 
+    def to_anthropic_body(self) -> dict[str, Any]:
+        """The Anthropic error object, for the Messages API: ``{"type": "error", "error": {"type",
+        "message"}}``, its type chosen by the HTTP status as Anthropic's table does."""
+        status = self.status
+        kind = _ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        message = f"{self.param}: {self.message}" if self.param and self.param not in self.message else self.message
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
     def to_body(self) -> dict[str, Any]:
         """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
         spec = self.spec
         return {"error": {"message": self.message, "type": spec.type, "param": self.param, "code": spec.code}}
+
+
+# HTTP status → Anthropic's error type (others: invalid_request_error below 500, api_error above).
+_ANTHROPIC_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}

@@ -33,6 +33,14 @@ class ChatJob(_JobFields):
     request: ChatCompletionRequest
 
 
+class CountTokensJob(_JobFields):
+    """Count a chat request's prompt tokens (the Anthropic API's count_tokens): the worker renders
+    the prompt as a chat job would, answers with its start and end events, and generates nothing."""
+
+    kind: Literal["count_tokens"] = "count_tokens"
+    request: ChatCompletionRequest
+
+
 class CompletionJob(_JobFields):
     kind: Literal["completion"] = "completion"
     request: CompletionRequest
@@ -43,7 +51,7 @@ class EmbeddingJob(_JobFields):
     request: EmbeddingRequest
 
 
-AnyJob = ChatJob | CompletionJob | EmbeddingJob
+AnyJob = ChatJob | CompletionJob | EmbeddingJob | CountTokensJob
 _job_adapter: TypeAdapter[AnyJob] = TypeAdapter(Annotated[AnyJob, Field(discriminator="kind")])
 
 

@@ -8,13 +8,13 @@ from typing import Protocol
 
 from shared.errors import ErrorKind, RelayError
 from shared.events import StartEvent
-from shared.jobs import AnyJob, ChatJob, CompletionJob, EmbeddingJob
+from shared.jobs import AnyJob, ChatJob, CompletionJob, CountTokensJob, EmbeddingJob
 from worker.embedding.engine import EmbeddingEngine, EmbeddingWork
 from worker.embedding.loader import LoadedEmbedder
 from worker.engine.engine import LLMEngine
 from worker.engine.sequence import EngineRequest, ResumeState
 from worker.model_loader import LoadedModel
-from worker.request_prep import prepare_chat, prepare_completion
+from worker.request_prep import count_chat_prompt_tokens, prepare_chat, prepare_completion
 from worker.structured import ConstraintCompiler
 from worker.tooling import ToolingConfig
 
@@ -43,6 +43,9 @@ class JobHandler(Protocol):
 
     def prepare(self, job: AnyJob, resume: ResumeState | None) -> Work:
         """The engine's unit of work for ``job`` (continuing ``resume``); RelayError when it cannot run here."""
+
+    def count_prompt_tokens(self, job: CountTokensJob) -> int:
+        """The prompt tokens of the job's request; RelayError when this worker cannot tell."""
 
 
 def _wrong_task(job: AnyJob, serves: str) -> RelayError:
@@ -75,6 +78,9 @@ class GenerationHandler:
         request.resume = resume
         return request
 
+    def count_prompt_tokens(self, job: CountTokensJob) -> int:
+        return count_chat_prompt_tokens(job.request, self.loaded, self.tooling)
+
 
 class EmbeddingHandler:
     def __init__(self, embedder: LoadedEmbedder, engine: EmbeddingEngine) -> None:
@@ -104,3 +110,6 @@ class EmbeddingHandler:
             )
             raise RelayError(ErrorKind.CONTEXT_LENGTH_EXCEEDED, message, "input")
         return EmbeddingWork(job.job_id, inputs, start_event=None)
+
+    def count_prompt_tokens(self, job: CountTokensJob) -> int:
+        raise _wrong_task(job, "embeddings")

@@ -17,6 +17,23 @@ from worker.structured import TOOL_CALL_FORMATS, ConstraintCompiler, ToolCallFor
 from worker.tooling import ToolingConfig, plan_tooling
 
 
+def count_chat_prompt_tokens(request: ChatCompletionRequest, loaded: LoadedModel, tooling: ToolingConfig) -> int:
+    """The prompt tokens ``prepare_chat`` would give the same request, without checking that it
+    fits the context (a client counts tokens to learn whether it does)."""
+    constraint = constraint_from_request(request, _tool_call_format(tooling))
+    if constraint is not None and tooling.reasoning_parser is not None:
+        request = _without_thinking(request)
+    plan = plan_tooling(tooling, request)
+    prompt_token_ids, _ = render_prompt(loaded.tokenizer, request, plan.template_tools, plan.system_prompt)
+    return len(prompt_token_ids)
+
+
+def _without_thinking(request: ChatCompletionRequest) -> ChatCompletionRequest:
+    """A constrained answer skips the thinking block: the grammar applies from the first token."""
+    kwargs = {**(request.chat_template_kwargs or {}), "enable_thinking": False}
+    return request.model_copy(update={"chat_template_kwargs": kwargs})
+
+
 def prepare_chat(
     job_id: str,
     request: ChatCompletionRequest,
@@ -34,9 +51,7 @@ def prepare_chat(
         _check_constrainable(request)
         compiled = compiler().compile_constraint(constraint)
         if tooling.reasoning_parser is not None:
-            # The grammar applies from the first token: a constrained answer skips the thinking block.
-            kwargs = {**(request.chat_template_kwargs or {}), "enable_thinking": False}
-            request = request.model_copy(update={"chat_template_kwargs": kwargs})
+            request = _without_thinking(request)
     plan = plan_tooling(tooling, request)
     prompt_token_ids, prompt_text = render_prompt(loaded.tokenizer, request, plan.template_tools, plan.system_prompt)
     params = build_sampling_params(

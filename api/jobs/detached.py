@@ -18,7 +18,7 @@ from api.render.completion import collect_text_completion
 from api.render.embeddings import collect_embeddings
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle, JobState
-from shared.jobs import AnyJob, ChatJob, CompletionJob, decode_job
+from shared.jobs import AnyJob, ChatJob, CompletionJob, EmbeddingJob, decode_job
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,10 @@ async def render_outcome(job: AnyJob, replay: EventReplay, reasoning_field: str)
             response = await collect_completion(replay, reasoning_field)
         elif isinstance(job, CompletionJob):
             response = await collect_text_completion(replay)
-        else:
+        elif isinstance(job, EmbeddingJob):
             response = await collect_embeddings(replay, job.request.encoding_format)
+        else:  # a token count is never detached: only its own route submits one
+            raise RelayError(ErrorKind.INVALID_REQUEST, f"job `{job.job_id}` has no response to collect")
     except RelayError as exc:
         return failure(exc)
     return JobOutcome(200, response.model_dump(mode="json", exclude_none=True))

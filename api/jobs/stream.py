@@ -115,6 +115,7 @@ class JobStream:
         self._closed = False
         # The first event, still awaited when a stream started before its job did (see first_event).
         self._pending_first: asyncio.Task[AnyEvent] | None = None
+        self.prompt_tokens: int | None = None  # from the start event, once seen
 
     def stop_disconnect_probe(self) -> None:
         """Once a streaming response has started, sse-starlette owns the disconnect signal."""
@@ -152,6 +153,7 @@ class JobStream:
             raise
         self._observer.observe(event)
         if isinstance(event, StartEvent):
+            self.prompt_tokens = event.prompt_tokens
             self._log("started", worker=event.worker_id, prompt_tokens=event.prompt_tokens)
         elif isinstance(event, EndEvent):
             self._log("finished", completion_tokens=event.usage.completion_tokens)

@@ -19,7 +19,7 @@ from api.settings import ApiSettings
 from api.tenancy import SINGLE_USER, Tenant
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle, JobQueueFull, TenantJobsFull
-from shared.jobs import AnyJob, ChatJob, CompletionJob, EmbeddingJob, decode_job, encode_job
+from shared.jobs import AnyJob, ChatJob, CompletionJob, CountTokensJob, EmbeddingJob, decode_job, encode_job
 from shared.log_setup import log_transition
 from shared.openai.chat_request import ChatCompletionRequest
 from shared.openai.completion_request import CompletionRequest
@@ -45,9 +45,15 @@ def job_id_for(prefix: str, request_id: str, is_ours: bool) -> str:
     return f"{prefix}-{request_id}" if is_ours else f"{prefix}-{request_id}-{uuid.uuid4().hex[:8]}"
 
 
-def make_job(request: SubmittableRequest, request_id: str, is_ours: bool, tenant: str | None = None) -> AnyJob:
-    """``tenant``: the owner id of the API key that asks (None without keys)."""
+def make_job(
+    request: SubmittableRequest, request_id: str, is_ours: bool, tenant: str | None = None, count_only: bool = False
+) -> AnyJob:
+    """``tenant``: the owner id of the API key that asks (None without keys); ``count_only``: a
+    chat request whose prompt tokens are counted, nothing generated."""
     created = int(time.time())
+    if isinstance(request, ChatCompletionRequest) and count_only:
+        job_id = job_id_for("count", request_id, is_ours)
+        return CountTokensJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
     if isinstance(request, ChatCompletionRequest):
         job_id = job_id_for("chatcmpl", request_id, is_ours)
         return ChatJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
@@ -83,14 +89,15 @@ class JobSubmitter:
         is_disconnected: DisconnectProbe | None = None,
         request_id_is_ours: bool = True,
         tenant: str | None = None,
+        count_only: bool = False,
     ) -> JobStream:
         """``tenant``: the asking key's owner id; it owns the job (a reconnect must be its own)
-        and counts towards the key's limit of open requests."""
+        and counts towards the key's limit of open requests. ``count_only``: see ``make_job``."""
         arrived_at = time.monotonic()
         request_id = request_id or uuid.uuid4().hex
         await self.directory.require_live_worker(request.model)
         request = without_unknown_fields(request, request_id)
-        job = make_job(request, request_id, request_id_is_ours, tenant)
+        job = make_job(request, request_id, request_id_is_ours, tenant, count_only)
         job_id = job.job_id
         observer = RequestObserver(self.metrics, request.model, arrived_at)
         channel = self.keys.job_events_channel(job_id)

@@ -48,10 +48,16 @@ def test_no_request_makes_the_server_fail(fuzz_stack: Stack) -> None:
 
 @schemathesis.check
 def openai_error_shape(ctx: object, response: schemathesis.Response, case: schemathesis.Case) -> bool | None:
-    """Every 4xx and 5xx body is exactly an OpenAI error object."""
+    """Every 4xx and 5xx body is exactly an OpenAI error object (Anthropic's on its API's routes)."""
     if response.status_code < 400:
         return None
     body = response.json()
+    if case.operation.path.startswith("/v1/messages"):
+        if not (isinstance(body, dict) and body.get("type") == "error" and set(body) == {"type", "error"}):
+            raise AssertionError(f"{response.status_code} body is not Anthropic's error: {response.text[:300]}")
+        if set(body["error"]) != {"type", "message"} or not body["error"]["message"]:
+            raise AssertionError(f"{response.status_code} error fields are not Anthropic's: {response.text[:300]}")
+        return True
     if not (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict)):
         raise AssertionError(f"{response.status_code} body is not {{'error': ...}}: {response.text[:300]}")
     if set(body["error"]) != {"message", "type", "param", "code"} or not body["error"]["message"]:

@@ -1,0 +1,89 @@
+"""``POST /v1/messages``: the Anthropic Messages API, on the same jobs as chat completions.
+
+The request becomes a chat request (``shared/anthropic_messages.py``) and runs as a chat job:
+queueing, failover, tool parsing, constrained tool choice and keep-alives are the chat path's.
+Errors on these routes are in Anthropic's shape (``api/errors.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ValidationError
+
+from api.errors import validation_message
+from api.jobs.stream import ClientDisconnected
+from api.jobs.submitter import JobSubmitter
+from api.render.anthropic import collect_message, message_events
+from api.render.chat_stream import sse_response
+from api.routes.chat import CLIENT_CLOSED_REQUEST, OpenApiResponses, check_request_limits, start_stream
+from api.tenancy import tenant_of
+from shared.anthropic_messages import AnthropicErrorResponse, CountTokensRequest, MessagesRequest, to_chat_request
+from shared.errors import ErrorKind, RelayError
+from shared.events import EndEvent, ErrorEvent
+from shared.openai.chat_request import ChatCompletionRequest
+
+router = APIRouter()
+_ERRORS: OpenApiResponses = {
+    status: {"model": AnthropicErrorResponse} for status in (400, 401, 404, 413, 429, 500, 502, 503, 504)
+}
+
+
+def chat_request_of(body: CountTokensRequest) -> ChatCompletionRequest:
+    """400 (naming the field) for what the chat path cannot take."""
+    try:
+        return to_chat_request(body)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise RelayError(ErrorKind.INVALID_REQUEST, message, param) from None
+    except ValueError as exc:
+        raise RelayError(ErrorKind.INVALID_REQUEST, str(exc), "messages") from None
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
+@router.post(
+    "/v1/messages/count_tokens", response_model=TokenCount, responses=_ERRORS, summary="Count a message's input tokens"
+)
+async def count_message_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
+    """The prompt a worker would render for the same request (system, messages, tools), counted
+    by that worker's tokenizer: equal to the ``usage.input_tokens`` the request reports."""
+    submitter: JobSubmitter = request.app.state.submitter
+    chat = chat_request_of(body)
+    check_request_limits(chat, submitter.settings)
+    state = request.state
+    stream = await submitter.submit(
+        chat, state.request_id, request.is_disconnected, state.request_id_is_ours, tenant_of(request).owner,
+        count_only=True,
+    )  # fmt: skip
+    try:
+        async for event in stream.events():
+            if isinstance(event, ErrorEvent):
+                raise event.to_exception()
+            if isinstance(event, EndEvent):
+                return TokenCount(input_tokens=event.usage.prompt_tokens)
+    except ClientDisconnected:
+        raise RelayError(ErrorKind.CANCELLED, "The client closed the request.") from None
+    finally:
+        await stream.close()
+    raise RelayError(ErrorKind.INTERNAL, "The worker ended the count without a result.")
+
+
+@router.post(
+    "/v1/messages",
+    responses={200: {"content": {"application/json": {}, "text/event-stream": {}}}, **_ERRORS},
+    summary="Create a message (Anthropic Messages API; SSE when stream=true)",
+)
+async def create_message(body: MessagesRequest, request: Request) -> Any:
+    submitter: JobSubmitter = request.app.state.submitter
+    chat = chat_request_of(body)
+    check_request_limits(chat, submitter.settings)
+    stream = await start_stream(submitter, chat, request)
+    if stream is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if body.stream:
+        return sse_response(message_events(stream, stream.prompt_tokens), submitter.settings)
+    return await collect_message(stream, stream.prompt_tokens)
