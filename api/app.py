@@ -21,6 +21,7 @@ from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
 from api.middleware import ApiKeyMiddleware, BodyGuardMiddleware
 from api.request_context import RequestContextMiddleware
+from api.response_store import ResponseStore
 from api.routes import (
     background,
     batches,
@@ -32,6 +33,7 @@ from api.routes import (
     messages,
     metrics,
     models,
+    responses,
     resume,
 )
 from api.settings import ApiSettings
@@ -63,6 +65,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         submitter = app.state.submitter = JobSubmitter(lifecycle, keys, router, directory, settings, app_metrics)
         files = app.state.files = FileStore(redis, keys, settings.file_retention_s)
         batches = app.state.batches = BatchStore(redis, keys, settings.result_retention_s)
+        app.state.responses = ResponseStore(redis, keys, settings.result_retention_s)
         jobs = app.state.detached_jobs = DetachedJobs(lifecycle, settings.reasoning_field)
         runner = BatchRunner(redis, keys, settings, batches, files, jobs, submitter, directory, lifecycle)
         app.state.batch_runner = runner
@@ -114,6 +117,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(embeddings.router)
     app.include_router(messages.router)
+    app.include_router(responses.router)
     app.include_router(resume.router)
     app.include_router(background.router)
     app.include_router(files.router)

@@ -54,6 +54,11 @@ class RedisKeys:
         """The HMAC key API processes share to name a key's owner, when no --owner-hash-secret is set."""
         return f"{self.prefix}:owner-hash-secret"
 
+    def stored_response(self, response_id: str) -> str:
+        """A stored Responses API response (JSON: the Response, its input items, the conversation
+        so far and its owner), expiring after --result-retention-s."""
+        return f"{self.prefix}:response:{response_id}"
+
     def tenant_jobs(self, tenant: str) -> str:
         """Sorted set of a tenant's queued and running jobs (score: creation time), kept only when
         a per-key limit is set; expires JOB_RECORD_TTL_S after its last job was created."""

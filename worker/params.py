@@ -22,7 +22,9 @@ def build_sampling_params(
         raise RelayError(
             ErrorKind.CONTEXT_LENGTH_EXCEEDED,
             f"This model's maximum context length is {max_model_len} tokens, but the messages are "
-            f"{num_prompt_tokens} tokens; reduce the length of the messages.",
+            f"{num_prompt_tokens} tokens (the prompt, with tools, as the chat template renders it); reduce "
+            f"the length of the messages, or use a model with a longer context (GET /v1/models lists each "
+            f"model's max_model_len).",
             "messages",
         )
     room = max_model_len - num_prompt_tokens

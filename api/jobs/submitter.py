@@ -114,13 +114,18 @@ class JobSubmitter:
         return JobStream(self._services, job, queue, is_disconnected, observer)
 
     async def submit_detached(
-        self, job: AnyJob, queue: str | None = None, limit: int | None = None, track: bool = False
+        self,
+        job: AnyJob,
+        queue: str | None = None,
+        limit: int | None = None,
+        track: bool = False,
+        counts_for_key: bool | None = None,
     ) -> None:
         """Enqueue a job no client streams (a background job, a batch line): its result is
         collected from its event log. ``queue``: the model's interactive queue unless given;
         ``track``: add it to the background set that API processes collect results for (and
         count it towards its key's limit of open requests, as a streamed request counts)."""
-        await self._enqueue(job, queue, limit, counts_for_key=track)
+        await self._enqueue(job, queue, limit, counts_for_key=track if counts_for_key is None else counts_for_key)
         if track:
             try:
                 await self.lifecycle.track_background(job.job_id)

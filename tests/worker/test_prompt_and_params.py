@@ -74,8 +74,11 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_refused(fields: dict[str, 
 
 def test_a_prompt_filling_the_context_is_refused() -> None:
     with pytest.raises(RelayError) as raised:
-        build_sampling_params(_request(), num_prompt_tokens=100, max_model_len=100, max_choices=4)
+        build_sampling_params(_request(), num_prompt_tokens=16_100, max_model_len=8192, max_choices=4)
     assert raised.value.status == 400
+    # What an agent's user needs to act: the prompt's size, the limit, and the way out.
+    message = raised.value.message
+    assert "16100 tokens" in message and "8192 tokens" in message and "longer context" in message
 
 
 def test_sampling_fields_are_carried_over() -> None:
