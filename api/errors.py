@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -64,6 +65,15 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
         message = str(error.get("msg", "invalid value"))
         messages.append(f"{where}: {message}" if where else message)
     return "; ".join(messages), _param(tuple(errors[0].get("loc", ())))
+
+
+def translation_error(exc: ValueError, param: str) -> RelayError:
+    """A request in another API's format that the chat path cannot take: a 400 naming the field
+    (pydantic's path when the chat request's own rules refused it, else ``param``)."""
+    if isinstance(exc, ValidationError):
+        message, where = validation_message(exc.errors())
+        return RelayError(ErrorKind.INVALID_REQUEST, message, where)
+    return RelayError(ErrorKind.INVALID_REQUEST, str(exc), param)
 
 
 def install_error_handlers(app: FastAPI) -> None:

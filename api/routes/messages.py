@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from api.errors import validation_message
+from api.errors import translation_error
 from api.jobs.stream import ClientDisconnected
 from api.jobs.submitter import JobSubmitter
 from api.render.anthropic import collect_message, message_events
@@ -34,11 +34,8 @@ def chat_request_of(body: CountTokensRequest) -> ChatCompletionRequest:
     """400 (naming the field) for what the chat path cannot take."""
     try:
         return to_chat_request(body)
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors())
-        raise RelayError(ErrorKind.INVALID_REQUEST, message, param) from None
     except ValueError as exc:
-        raise RelayError(ErrorKind.INVALID_REQUEST, str(exc), "messages") from None
+        raise translation_error(exc, "messages") from None
 
 
 class TokenCount(BaseModel):

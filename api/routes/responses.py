@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import TypeAdapter, ValidationError
+from pydantic import TypeAdapter
 
-from api.errors import validation_message
+from api.errors import translation_error
 from api.jobs.stream import EventReplay
 from api.jobs.submitter import JobSubmitter, make_job
 from api.render.chat_stream import sse_response
@@ -42,11 +42,8 @@ def _chat_request(body: ResponsesRequest, history: list[InputItem]) -> ChatCompl
     """400 (naming the field) for what the chat path cannot take."""
     try:
         return to_chat_request(body, history)
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors())
-        raise RelayError(ErrorKind.INVALID_REQUEST, message, param) from None
     except ValueError as exc:
-        raise RelayError(ErrorKind.INVALID_REQUEST, str(exc), "input") from None
+        raise translation_error(exc, "input") from None
 
 
 def _input_dicts(body: ResponsesRequest, response_id: str) -> list[dict[str, Any]]:
