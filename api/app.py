@@ -35,6 +35,7 @@ from api.routes import (
     models,
     responses,
     resume,
+    tokenize,
 )
 from api.settings import ApiSettings
 from api.tenancy import KeyRing
@@ -118,6 +119,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.include_router(embeddings.router)
     app.include_router(messages.router)
     app.include_router(responses.router)
+    app.include_router(tokenize.router)
     app.include_router(resume.router)
     app.include_router(background.router)
     app.include_router(files.router)

@@ -33,12 +33,36 @@ class ChatJob(_JobFields):
     request: ChatCompletionRequest
 
 
-class CountTokensJob(_JobFields):
-    """Count a chat request's prompt tokens (the Anthropic API's count_tokens): the worker renders
-    the prompt as a chat job would, answers with its start and end events, and generates nothing."""
+class TokenizeRequest(BaseModel):
+    """What a tokenize job asks (exactly one of ``chat``, ``prompt`` and ``tokens``): the prompt
+    a chat request renders to, a text's tokens, or the text of tokens (detokenize)."""
 
-    kind: Literal["count_tokens"] = "count_tokens"
-    request: ChatCompletionRequest
+    model: str
+    chat: ChatCompletionRequest | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    tokens: list[int] | None = None
+
+    @property
+    def stream(self) -> bool:
+        return False  # answered in one piece
+
+    @property
+    def resumable(self) -> bool:
+        return False  # a client that leaves cancels it
+
+    @property
+    def n(self) -> int:
+        return 1  # one answer
+
+
+class TokenizeJob(_JobFields):
+    """Tokenize or detokenize with the model's own tokenizer and chat template (count_tokens,
+    /tokenize, /detokenize): the worker answers with a start, one delta (the token ids and
+    text) and an end event, and generates nothing."""
+
+    kind: Literal["tokenize"] = "tokenize"
+    request: TokenizeRequest
 
 
 class CompletionJob(_JobFields):
@@ -51,7 +75,7 @@ class EmbeddingJob(_JobFields):
     request: EmbeddingRequest
 
 
-AnyJob = ChatJob | CompletionJob | EmbeddingJob | CountTokensJob
+AnyJob = ChatJob | CompletionJob | EmbeddingJob | TokenizeJob
 _job_adapter: TypeAdapter[AnyJob] = TypeAdapter(Annotated[AnyJob, Field(discriminator="kind")])
 
 

@@ -8,13 +8,13 @@ from typing import Protocol
 
 from shared.errors import ErrorKind, RelayError
 from shared.events import StartEvent
-from shared.jobs import AnyJob, ChatJob, CompletionJob, CountTokensJob, EmbeddingJob
+from shared.jobs import AnyJob, ChatJob, CompletionJob, EmbeddingJob, TokenizeJob
 from worker.embedding.engine import EmbeddingEngine, EmbeddingWork
 from worker.embedding.loader import LoadedEmbedder
 from worker.engine.engine import LLMEngine
 from worker.engine.sequence import EngineRequest, ResumeState
 from worker.model_loader import LoadedModel
-from worker.request_prep import count_chat_prompt_tokens, prepare_chat, prepare_completion
+from worker.request_prep import chat_prompt_ids, prepare_chat, prepare_completion
 from worker.structured import ConstraintCompiler
 from worker.tooling import ToolingConfig
 
@@ -44,8 +44,8 @@ class JobHandler(Protocol):
     def prepare(self, job: AnyJob, resume: ResumeState | None) -> Work:
         """The engine's unit of work for ``job`` (continuing ``resume``); RelayError when it cannot run here."""
 
-    def count_prompt_tokens(self, job: CountTokensJob) -> int:
-        """The prompt tokens of the job's request; RelayError when this worker cannot tell."""
+    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
+        """The job's token ids and (detokenizing) their text; RelayError when this worker cannot tell."""
 
 
 def _wrong_task(job: AnyJob, serves: str) -> RelayError:
@@ -78,8 +78,18 @@ class GenerationHandler:
         request.resume = resume
         return request
 
-    def count_prompt_tokens(self, job: CountTokensJob) -> int:
-        return count_chat_prompt_tokens(job.request, self.loaded, self.tooling)
+    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
+        request, tokenizer = job.request, self.loaded.tokenizer
+        if request.tokens is not None:
+            vocab_size = self.loaded.vocab_size
+            outside = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
+            if outside is not None:
+                message = f"Token id {outside} is outside this model's vocabulary [0, {vocab_size})."
+                raise RelayError(ErrorKind.INVALID_REQUEST, message, "tokens")
+            return request.tokens, tokenizer.decode(request.tokens)
+        if request.chat is not None:
+            return chat_prompt_ids(request.chat, self.loaded, self.tooling), None
+        return tokenizer.encode(request.prompt or "", add_special_tokens=request.add_special_tokens), None
 
 
 class EmbeddingHandler:
@@ -111,5 +121,5 @@ class EmbeddingHandler:
             raise RelayError(ErrorKind.CONTEXT_LENGTH_EXCEEDED, message, "input")
         return EmbeddingWork(job.job_id, inputs, start_event=None)
 
-    def count_prompt_tokens(self, job: CountTokensJob) -> int:
+    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
         raise _wrong_task(job, "embeddings")

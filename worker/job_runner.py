@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 from shared.errors import ErrorKind, RelayError
 from shared.events import DeltaEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts
 from shared.job_lifecycle import Claim, JobLifecycle, JobState
-from shared.jobs import AnyJob, CountTokensJob, decode_job
+from shared.jobs import AnyJob, TokenizeJob, decode_job
 from shared.log_setup import log_transition
 from worker.engine.engine import RequestOutput
 from worker.engine.sequence import ResumeState
@@ -84,8 +84,8 @@ class JobRunner:
             return
         request_id = self._request_ids[job_id] = job.request_id
         log_transition(logger, "picked", job_id, request_id, worker=self._worker_id, attempt=claim.attempt)
-        if isinstance(job, CountTokensJob):
-            await self._count_tokens(claim, job, done)
+        if isinstance(job, TokenizeJob):
+            await self._tokenize(claim, job, done)
             return
         resume = await self._resume_state(claim) if claim.next_seq > 0 else None
         try:
@@ -106,20 +106,24 @@ class JobRunner:
         completion_tokens = getattr(work, "num_completion_tokens", 0)
         log_transition(logger, "finished", job_id, request_id, completion_tokens=completion_tokens)
 
-    async def _count_tokens(self, claim: Claim, job: CountTokensJob, done: asyncio.Future[PublishOutcome]) -> None:
-        """Answer with the count in a start and an end event; the engine never sees the job."""
+    async def _tokenize(self, claim: Claim, job: TokenizeJob, done: asyncio.Future[PublishOutcome]) -> None:
+        """Answer in a start, one delta (ids and text) and an end event; the engine never sees the job."""
         try:
             if job.request.model != self._model_id:
                 raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
-            num_tokens = self._handler.count_prompt_tokens(job)
+            token_ids, text = self._handler.tokenize(job)
         except Exception as exc:
             await self._end_with(claim, self._refusal(exc, claim.job_id, job.request_id))
             return
-        start = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=num_tokens)
-        end = EndEvent(seq=1, usage=UsageCounts(prompt_tokens=num_tokens, completion_tokens=0))
-        await self._publisher.publish(RequestOutput(claim.job_id, [start, end], True))
+        count = len(token_ids)
+        events = [
+            StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=count),
+            DeltaEvent(seq=1, token_ids=token_ids, content=text),
+            EndEvent(seq=2, usage=UsageCounts(prompt_tokens=count, completion_tokens=0)),
+        ]
+        await self._publisher.publish(RequestOutput(claim.job_id, events, True))
         await self._wait(claim.job_id, job.request_id, done)
-        log_transition(logger, "counted", claim.job_id, job.request_id, prompt_tokens=num_tokens)
+        log_transition(logger, "tokenized", claim.job_id, job.request_id, tokens=count)
 
     async def _wait(self, job_id: str, request_id: str | None, done: asyncio.Future[PublishOutcome]) -> PublishOutcome:
         """The job's outcome; past the job timeout it is aborted with ``job_timeout``."""

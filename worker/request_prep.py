@@ -17,7 +17,7 @@ from worker.structured import TOOL_CALL_FORMATS, ConstraintCompiler, ToolCallFor
 from worker.tooling import ToolingConfig, plan_tooling
 
 
-def count_chat_prompt_tokens(request: ChatCompletionRequest, loaded: LoadedModel, tooling: ToolingConfig) -> int:
+def chat_prompt_ids(request: ChatCompletionRequest, loaded: LoadedModel, tooling: ToolingConfig) -> list[int]:
     """The prompt tokens ``prepare_chat`` would give the same request, without checking that it
     fits the context (a client counts tokens to learn whether it does)."""
     constraint = constraint_from_request(request, _tool_call_format(tooling))
@@ -25,7 +25,7 @@ def count_chat_prompt_tokens(request: ChatCompletionRequest, loaded: LoadedModel
         request = _without_thinking(request)
     plan = plan_tooling(tooling, request)
     prompt_token_ids, _ = render_prompt(loaded.tokenizer, request, plan.template_tools, plan.system_prompt)
-    return len(prompt_token_ids)
+    return prompt_token_ids
 
 
 def _without_thinking(request: ChatCompletionRequest) -> ChatCompletionRequest:

@@ -19,7 +19,16 @@ from api.settings import ApiSettings
 from api.tenancy import SINGLE_USER, Tenant
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle, JobQueueFull, TenantJobsFull
-from shared.jobs import AnyJob, ChatJob, CompletionJob, CountTokensJob, EmbeddingJob, decode_job, encode_job
+from shared.jobs import (
+    AnyJob,
+    ChatJob,
+    CompletionJob,
+    EmbeddingJob,
+    TokenizeJob,
+    TokenizeRequest,
+    decode_job,
+    encode_job,
+)
 from shared.log_setup import log_transition
 from shared.openai.chat_request import ChatCompletionRequest
 from shared.openai.completion_request import CompletionRequest
@@ -52,8 +61,7 @@ def make_job(
     chat request whose prompt tokens are counted, nothing generated."""
     created = int(time.time())
     if isinstance(request, ChatCompletionRequest) and count_only:
-        job_id = job_id_for("count", request_id, is_ours)
-        return CountTokensJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
+        return tokenize_job(TokenizeRequest(model=request.model, chat=request), request_id, is_ours, tenant)
     if isinstance(request, ChatCompletionRequest):
         job_id = job_id_for("chatcmpl", request_id, is_ours)
         return ChatJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
@@ -62,6 +70,11 @@ def make_job(
         return CompletionJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
     job_id = job_id_for("embd", request_id, is_ours)
     return EmbeddingJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
+
+
+def tokenize_job(request: TokenizeRequest, request_id: str, is_ours: bool, tenant: str | None) -> TokenizeJob:
+    job_id = job_id_for("tok", request_id, is_ours)
+    return TokenizeJob(job_id=job_id, request_id=request_id, created=int(time.time()), tenant=tenant, request=request)
 
 
 class JobSubmitter:
@@ -95,10 +108,17 @@ class JobSubmitter:
         and counts towards the key's limit of open requests. ``count_only``: see ``make_job``."""
         arrived_at = time.monotonic()
         request_id = request_id or uuid.uuid4().hex
-        await self.directory.require_live_worker(request.model)
         request = without_unknown_fields(request, request_id)
         job = make_job(request, request_id, request_id_is_ours, tenant, count_only)
-        job_id = job.job_id
+        return await self.submit_job(job, is_disconnected, arrived_at)
+
+    async def submit_job(
+        self, job: AnyJob, is_disconnected: DisconnectProbe | None = None, arrived_at: float | None = None
+    ) -> JobStream:
+        """Enqueue a job the caller built and stream its events (its model's workers checked first)."""
+        arrived_at = time.monotonic() if arrived_at is None else arrived_at
+        request, request_id, job_id = job.request, job.request_id, job.job_id
+        await self.directory.require_live_worker(request.model)
         observer = RequestObserver(self.metrics, request.model, arrived_at)
         channel = self.keys.job_events_channel(job_id)
         queue = await self.router.subscribe(channel)
@@ -200,7 +220,9 @@ class JobSubmitter:
         )
 
 
-def _prompt_for_log(request: SubmittableRequest) -> str:
+def _prompt_for_log(request: SubmittableRequest | TokenizeRequest) -> str:
+    if isinstance(request, TokenizeRequest):
+        return _prompt_for_log(request.chat) if request.chat else json.dumps(request.prompt or request.tokens)
     if isinstance(request, ChatCompletionRequest):
         return json.dumps([m.model_dump(exclude_none=True) for m in request.messages], ensure_ascii=False)
     if isinstance(request, CompletionRequest):

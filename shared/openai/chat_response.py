@@ -77,7 +77,8 @@ class ChatCompletion(BaseModel):
     created: int
     model: str
     choices: list[Choice]
-    usage: Usage
+    # Optional as in OpenAI's own schema: a background job's first answer has no usage yet.
+    usage: Usage | None = None
     system_fingerprint: str | None = None
 
 

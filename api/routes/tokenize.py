@@ -1,0 +1,104 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's request and response shapes): a model's own
+tokenizer and chat template, run by one of its workers (the API process loads no tokenizer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field, NonNegativeInt, model_validator
+
+from api.jobs.stream import ClientDisconnected
+from api.jobs.submitter import JobSubmitter, tokenize_job
+from api.jobs.worker_directory import WorkerDirectory
+from api.routes.chat import ERROR_RESPONSES
+from api.tenancy import tenant_of
+from shared.errors import ErrorKind, RelayError
+from shared.events import DeltaEvent, EndEvent, ErrorEvent
+from shared.jobs import TokenizeRequest
+from shared.openai.chat_request import ChatCompletionRequest, ChatMessage, ToolDefinition
+
+router = APIRouter()
+
+
+class TokenizeBody(BaseModel):
+    """A ``prompt`` (tokenized as it is) or chat ``messages`` (rendered by the chat template, as a
+    chat request would be: the count equals that request's prompt tokens)."""
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolDefinition] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = Field(
+        default=None, description="For a prompt (default true); chat templates place their own special tokens."
+    )
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either `prompt` or `messages`")
+        if self.messages is not None and not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt=false is not supported: prompts are rendered as chat requests are")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeBody(BaseModel):
+    model: str = Field(min_length=1)
+    tokens: list[NonNegativeInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+async def _run(request: Request, tokenize: TokenizeRequest) -> tuple[list[int], str]:
+    submitter: JobSubmitter = request.app.state.submitter
+    state = request.state
+    job = tokenize_job(tokenize, state.request_id, state.request_id_is_ours, tenant_of(request).owner)
+    stream = await submitter.submit_job(job, request.is_disconnected)
+    token_ids: list[int] = []
+    text = ""
+    try:
+        async for event in stream.events():
+            if isinstance(event, ErrorEvent):
+                raise event.to_exception()
+            if isinstance(event, DeltaEvent):
+                token_ids, text = event.token_ids, event.content or ""
+            elif isinstance(event, EndEvent):
+                return token_ids, text
+    except ClientDisconnected:
+        raise RelayError(ErrorKind.CANCELLED, "The client closed the request.") from None
+    finally:
+        await stream.close()
+    raise RelayError(ErrorKind.INTERNAL, "The worker ended the job without an answer.")
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES, summary="Tokenize (vLLM)")
+async def tokenize(body: TokenizeBody, request: Request) -> TokenizeResponse:
+    if body.messages is not None:
+        chat = ChatCompletionRequest(
+            model=body.model, messages=body.messages, tools=body.tools, chat_template_kwargs=body.chat_template_kwargs
+        )
+        tokenize_request = TokenizeRequest(model=body.model, chat=chat)
+    else:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        tokenize_request = TokenizeRequest(model=body.model, prompt=body.prompt, add_special_tokens=add_special)
+    token_ids, _ = await _run(request, tokenize_request)
+    directory: WorkerDirectory = request.app.state.directory
+    limits = {record.model: record.max_model_len for record in await directory.model_records()}
+    return TokenizeResponse(count=len(token_ids), max_model_len=limits.get(body.model, 0), tokens=token_ids)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES, summary="Detokenize (vLLM)")
+async def detokenize(body: DetokenizeBody, request: Request) -> DetokenizeResponse:
+    _, text = await _run(request, TokenizeRequest(model=body.model, tokens=body.tokens))
+    return DetokenizeResponse(prompt=text)
