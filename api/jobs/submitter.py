@@ -54,14 +54,9 @@ def job_id_for(prefix: str, request_id: str, is_ours: bool) -> str:
     return f"{prefix}-{request_id}" if is_ours else f"{prefix}-{request_id}-{uuid.uuid4().hex[:8]}"
 
 
-def make_job(
-    request: SubmittableRequest, request_id: str, is_ours: bool, tenant: str | None = None, count_only: bool = False
-) -> AnyJob:
-    """``tenant``: the owner id of the API key that asks (None without keys); ``count_only``: a
-    chat request whose prompt tokens are counted, nothing generated."""
+def make_job(request: SubmittableRequest, request_id: str, is_ours: bool, tenant: str | None = None) -> AnyJob:
+    """``tenant``: the owner id of the API key that asks (None without keys)."""
     created = int(time.time())
-    if isinstance(request, ChatCompletionRequest) and count_only:
-        return tokenize_job(TokenizeRequest(model=request.model, chat=request), request_id, is_ours, tenant)
     if isinstance(request, ChatCompletionRequest):
         job_id = job_id_for("chatcmpl", request_id, is_ours)
         return ChatJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
@@ -102,14 +97,13 @@ class JobSubmitter:
         is_disconnected: DisconnectProbe | None = None,
         request_id_is_ours: bool = True,
         tenant: str | None = None,
-        count_only: bool = False,
     ) -> JobStream:
         """``tenant``: the asking key's owner id; it owns the job (a reconnect must be its own)
-        and counts towards the key's limit of open requests. ``count_only``: see ``make_job``."""
+        and counts towards the key's limit of open requests."""
         arrived_at = time.monotonic()
         request_id = request_id or uuid.uuid4().hex
         request = without_unknown_fields(request, request_id)
-        job = make_job(request, request_id, request_id_is_ours, tenant, count_only)
+        job = make_job(request, request_id, request_id_is_ours, tenant)
         return await self.submit_job(job, is_disconnected, arrived_at)
 
     async def submit_job(

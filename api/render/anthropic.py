@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 from sse_starlette.sse import AppStatus
 
-from api.jobs.stream import JobEvents, JobStream
+from api.jobs.stream import JobStream
 from shared.errors import RelayError
 from shared.events import DeltaEvent, EndEvent, ErrorEvent, StartEvent
 
@@ -87,9 +87,10 @@ def _message_object(job: Any, message: _Message) -> dict[str, Any]:
     }
 
 
-async def collect_message(stream: JobEvents, prompt_tokens: int | None) -> dict[str, Any]:
-    """The non-stream answer; raises RelayError when the job failed."""
-    message = _Message(input_tokens=prompt_tokens or 0)
+async def collect_message(stream: JobStream) -> dict[str, Any]:
+    """The non-stream answer; raises RelayError when the job failed. (The start event, with the
+    prompt's size, was read before answering: ``stream.prompt_tokens``.)"""
+    message = _Message(input_tokens=stream.prompt_tokens or 0)
     try:
         async for event in stream.events():
             if isinstance(event, ErrorEvent):
@@ -164,10 +165,10 @@ def _sse(name: str, data: dict[str, Any]) -> dict[str, str]:
     return {"event": name, "data": json.dumps({"type": name, **data}, ensure_ascii=False)}
 
 
-async def message_events(stream: JobStream, prompt_tokens: int | None) -> AsyncIterator[dict[str, str]]:
+async def message_events(stream: JobStream) -> AsyncIterator[dict[str, str]]:
     """The SSE body. A failure becomes an ``error`` event, which the SDK raises; a client that
     disconnects cancels this generator, and the job with it."""
-    message = _Message(input_tokens=prompt_tokens or 0)
+    message = _Message(input_tokens=stream.prompt_tokens or 0)
     start = _message_object(stream.job, message)
     start.update(stop_reason=None, usage={"input_tokens": message.input_tokens, "output_tokens": 0})
     yield _sse("message_start", {"message": start})

@@ -13,15 +13,13 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from api.errors import translation_error
-from api.jobs.stream import ClientDisconnected
 from api.jobs.submitter import JobSubmitter
 from api.render.anthropic import collect_message, message_events
 from api.render.chat_stream import sse_response
 from api.routes.chat import CLIENT_CLOSED_REQUEST, OpenApiResponses, check_request_limits, start_stream
-from api.tenancy import tenant_of
+from api.routes.tokenize import run_tokenize
 from shared.anthropic_messages import AnthropicErrorResponse, CountTokensRequest, MessagesRequest, to_chat_request
-from shared.errors import ErrorKind, RelayError
-from shared.events import EndEvent, ErrorEvent
+from shared.jobs import TokenizeRequest
 from shared.openai.chat_request import ChatCompletionRequest
 
 router = APIRouter()
@@ -51,22 +49,8 @@ async def count_message_tokens(body: CountTokensRequest, request: Request) -> To
     submitter: JobSubmitter = request.app.state.submitter
     chat = chat_request_of(body)
     check_request_limits(chat, submitter.settings)
-    state = request.state
-    stream = await submitter.submit(
-        chat, state.request_id, request.is_disconnected, state.request_id_is_ours, tenant_of(request).owner,
-        count_only=True,
-    )  # fmt: skip
-    try:
-        async for event in stream.events():
-            if isinstance(event, ErrorEvent):
-                raise event.to_exception()
-            if isinstance(event, EndEvent):
-                return TokenCount(input_tokens=event.usage.prompt_tokens)
-    except ClientDisconnected:
-        raise RelayError(ErrorKind.CANCELLED, "The client closed the request.") from None
-    finally:
-        await stream.close()
-    raise RelayError(ErrorKind.INTERNAL, "The worker ended the count without a result.")
+    token_ids, _ = await run_tokenize(request, TokenizeRequest(model=chat.model, chat=chat))
+    return TokenCount(input_tokens=len(token_ids))
 
 
 @router.post(
@@ -82,5 +66,5 @@ async def create_message(body: MessagesRequest, request: Request) -> Any:
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if body.stream:
-        return sse_response(message_events(stream, stream.prompt_tokens), submitter.settings)
-    return await collect_message(stream, stream.prompt_tokens)
+        return sse_response(message_events(stream), submitter.settings)
+    return await collect_message(stream)

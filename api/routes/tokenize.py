@@ -60,7 +60,8 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-async def _run(request: Request, tokenize: TokenizeRequest) -> tuple[list[int], str]:
+async def run_tokenize(request: Request, tokenize: TokenizeRequest) -> tuple[list[int], str]:
+    """The token ids (and, detokenizing, the text) one of the model's workers answers with."""
     submitter: JobSubmitter = request.app.state.submitter
     state = request.state
     job = tokenize_job(tokenize, state.request_id, state.request_id_is_ours, tenant_of(request).owner)
@@ -92,7 +93,7 @@ async def tokenize(body: TokenizeBody, request: Request) -> TokenizeResponse:
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokenize_request = TokenizeRequest(model=body.model, prompt=body.prompt, add_special_tokens=add_special)
-    token_ids, _ = await _run(request, tokenize_request)
+    token_ids, _ = await run_tokenize(request, tokenize_request)
     directory: WorkerDirectory = request.app.state.directory
     limits = {record.model: record.max_model_len for record in await directory.model_records()}
     return TokenizeResponse(count=len(token_ids), max_model_len=limits.get(body.model, 0), tokens=token_ids)
@@ -100,5 +101,5 @@ async def tokenize(body: TokenizeBody, request: Request) -> TokenizeResponse:
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES, summary="Detokenize (vLLM)")
 async def detokenize(body: DetokenizeBody, request: Request) -> DetokenizeResponse:
-    _, text = await _run(request, TokenizeRequest(model=body.model, tokens=body.tokens))
+    _, text = await run_tokenize(request, TokenizeRequest(model=body.model, tokens=body.tokens))
     return DetokenizeResponse(prompt=text)
