@@ -56,6 +56,9 @@ class DeltaEvent(BaseModel):
     tool_calls: list[ToolCallDelta] | None = None
     logprobs: list[TokenLogprob] | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    stop_reason: str | int | None = Field(
+        default=None, description="With finish_reason stop: the request's stop string or stop token id that matched."
+    )
 
 
 class EmbeddingsEvent(BaseModel):

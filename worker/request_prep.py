@@ -60,7 +60,7 @@ def prepare_chat(
     make_pipeline = None
     if plan.make_pipeline is not None:
         # Parsers need the markup the tokenizer may call special (e.g. <tool_call> in some vocabularies).
-        params = replace(params, skip_special_tokens=False, stop_strings=params.stop_strings + plan.stop_strings)
+        params = replace(params, skip_special_tokens=False, markup_stop_strings=plan.stop_strings)
         make_pipeline = functools.partial(plan.make_pipeline, prompt_text)
     return EngineRequest(
         job_id, [prompt_token_ids], params, num_choices=request.n, make_pipeline=make_pipeline, constraint=compiled

@@ -23,8 +23,7 @@ from shared.events import DeltaEvent, EndEvent, ErrorEvent, StartEvent
 
 logger = logging.getLogger(__name__)
 
-# finish_reason → stop_reason. A matched stop string is reported as end_turn: the worker does not
-# say which of EOS and a stop string ended the text (README: "Anthropic Messages API").
+# finish_reason → stop_reason; a "stop" that one of stop_sequences made is "stop_sequence".
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", None: "end_turn"}
 
 
@@ -60,8 +59,15 @@ class _Message:
     blocks: list[_Block] = field(default_factory=list)
     tool_blocks: dict[int, int] = field(default_factory=dict)  # tool call index → block index
     finish_reason: str | None = None
+    stop_sequence: str | None = None
     input_tokens: int = 0
     output_tokens: int = 0
+
+    def stop(self) -> dict[str, Any]:
+        """``stop_reason`` and ``stop_sequence``, as the message and its ``message_delta`` carry them."""
+        if self.stop_sequence is not None:
+            return {"stop_reason": "stop_sequence", "stop_sequence": self.stop_sequence}
+        return {"stop_reason": _STOP_REASONS.get(self.finish_reason, "end_turn"), "stop_sequence": None}
 
 
 def _message_object(job: Any, message: _Message) -> dict[str, Any]:
@@ -81,8 +87,7 @@ def _message_object(job: Any, message: _Message) -> dict[str, Any]:
         "role": "assistant",
         "model": job.request.model,
         "content": content,
-        "stop_reason": _STOP_REASONS.get(message.finish_reason, "end_turn"),
-        "stop_sequence": None,
+        **message.stop(),
         "usage": {"input_tokens": message.input_tokens, "output_tokens": message.output_tokens},
     }
 
@@ -130,6 +135,8 @@ def _apply(message: _Message, event: object) -> list[tuple[str, dict[str, Any]]]
                 out.append(("content_block_delta", {"index": index, "delta": delta}))
         if event.finish_reason is not None:
             message.finish_reason = event.finish_reason
+        if isinstance(event.stop_reason, str):
+            message.stop_sequence = event.stop_reason
     return out
 
 
@@ -181,7 +188,7 @@ async def message_events(stream: JobStream) -> AsyncIterator[dict[str, str]]:
                 yield _sse(name, data)
         for name, data in _close_last(message):
             yield _sse(name, data)
-        stop = {"stop_reason": _STOP_REASONS.get(message.finish_reason, "end_turn"), "stop_sequence": None}
+        stop = message.stop()
         usage = {"input_tokens": message.input_tokens, "output_tokens": message.output_tokens}
         yield _sse("message_delta", {"delta": stop, "usage": usage})
         yield _sse("message_stop", {})

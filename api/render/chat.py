@@ -34,6 +34,7 @@ class _ChoiceParts:
     tool_calls: dict[int, _ToolCallParts] = field(default_factory=dict)
     logprobs: list[LogprobEntry] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
     def add(self, event: DeltaEvent) -> None:
         if event.content:
@@ -48,6 +49,7 @@ class _ChoiceParts:
         if event.logprobs:
             self.logprobs = (self.logprobs or []) + logprob_entries(event)
         self.finish_reason = event.finish_reason or self.finish_reason
+        self.stop_reason = event.stop_reason if event.stop_reason is not None else self.stop_reason
 
     def message(self, reasoning_field: str) -> ResponseMessage:
         tool_calls = [
@@ -90,6 +92,7 @@ async def collect_completion(stream: JobEvents, reasoning_field: str) -> ChatCom
                 message=c.message(reasoning_field),
                 logprobs=ChoiceLogprobs(content=c.logprobs) if c.logprobs is not None else None,
                 finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                stop_reason=c.stop_reason,
             )
             for i, c in enumerate(choices)
         ],

@@ -107,7 +107,13 @@ class ChunkWriter:
         if event.reasoning:
             setattr(delta, self._reasoning_field, event.reasoning)
         logprobs = ChoiceLogprobs(content=logprob_entries(event)) if event.logprobs else None
-        choice = ChunkChoice(index=event.index, delta=delta, logprobs=logprobs, finish_reason=event.finish_reason)
+        choice = ChunkChoice(
+            index=event.index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=event.finish_reason,
+            stop_reason=event.stop_reason,
+        )
         return self.chunk([choice])
 
 

@@ -28,6 +28,7 @@ class _ChoiceState:
     parts: list[str] = field(default_factory=list)
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class CompletionWriter:
@@ -52,7 +53,13 @@ class CompletionWriter:
             state.text_length = len(state.prefix)
         logprobs = self._legacy_logprobs(event, state) if event.logprobs else None
         state.text_length += len(event.content or "")
-        return CompletionChoice(text=text, index=event.index, logprobs=logprobs, finish_reason=event.finish_reason)
+        return CompletionChoice(
+            text=text,
+            index=event.index,
+            logprobs=logprobs,
+            finish_reason=event.finish_reason,
+            stop_reason=event.stop_reason,
+        )
 
     @staticmethod
     def _legacy_logprobs(event: DeltaEvent, state: _ChoiceState) -> CompletionLogprobs:
@@ -107,6 +114,7 @@ async def collect_text_completion(stream: JobEvents) -> Completion:
             index=index,
             logprobs=state.logprobs,
             finish_reason=state.finish_reason,  # type: ignore[arg-type]
+            stop_reason=state.stop_reason,
         )
         for index, state in enumerate(writer.choices)
     ]
@@ -116,6 +124,7 @@ async def collect_text_completion(stream: JobEvents) -> Completion:
 def _merge(state: _ChoiceState, delta: CompletionChoice) -> None:
     state.parts.append(delta.text)
     state.finish_reason = delta.finish_reason or state.finish_reason
+    state.stop_reason = delta.stop_reason if delta.stop_reason is not None else state.stop_reason
     if delta.logprobs is not None:
         merged = state.logprobs or CompletionLogprobs()
         merged.tokens += delta.logprobs.tokens

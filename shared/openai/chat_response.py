@@ -69,6 +69,9 @@ class Choice(BaseModel):
     message: ResponseMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None
+    stop_reason: str | int | None = Field(
+        default=None, description="Extension (vLLM): the stop string or stop token id that ended the choice."
+    )
 
 
 class ChatCompletion(BaseModel):
@@ -113,6 +116,9 @@ class ChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = Field(
+        default=None, description="Extension (vLLM): the stop string or stop token id that ended the choice."
+    )
 
 
 class ChatCompletionChunk(BaseModel):

@@ -23,6 +23,9 @@ class CompletionChoice(BaseModel):
     index: int
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = Field(
+        default=None, description="Extension (vLLM): the stop string or stop token id that ended the choice."
+    )
 
 
 class Completion(BaseModel):

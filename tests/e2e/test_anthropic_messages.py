@@ -63,6 +63,23 @@ def test_a_message_is_created_with_usage(messages_stack: Stack) -> None:
     assert message.usage.input_tokens > 5 and 1 <= message.usage.output_tokens <= 8
 
 
+def test_a_matched_stop_sequence_is_named_in_the_message_and_the_stream(messages_stack: Stack) -> None:
+    client = _client(messages_stack)
+    free = client.messages.create(
+        model=MODEL, max_tokens=16, messages=HELLO, thinking=NO_THINKING, extra_body=GREEDY
+    )  # fmt: skip
+    text = "".join(block.text for block in free.content if block.type == "text")
+    stop = text[-3:]  # greedy: the same text comes again, and this ends it
+    assert len(stop) == 3, f"the model wrote too little to cut: {text!r}"
+    kwargs: Any = {"model": MODEL, "max_tokens": 16, "messages": HELLO, "thinking": NO_THINKING}
+    stopped = client.messages.create(**kwargs, stop_sequences=["never-written", stop], extra_body=GREEDY)
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+    assert stop not in "".join(block.text for block in stopped.content if block.type == "text")
+    with client.messages.stream(**kwargs, stop_sequences=[stop], extra_body=GREEDY) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+
+
 def test_a_streamed_message_is_the_documented_event_sequence(messages_stack: Stack) -> None:
     with _client(messages_stack).messages.stream(
         model=MODEL, max_tokens=12, messages=HELLO, thinking=NO_THINKING, extra_body=GREEDY

@@ -109,9 +109,11 @@ def test_stop_string_ends_the_choice_without_the_stop_text(tiny_stack: Stack) ->
     stopped = client.chat.completions.create(**kwargs, stop=[stop, "never-generated-stop"])
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].message.content == expected
+    assert stopped.choices[0].model_extra == {"stop_reason": stop}  # vLLM's extension: which stop matched
     chunks = list(client.chat.completions.create(**kwargs, stop=stop, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].model_extra == {"stop_reason": stop}
 
 
 def test_n_choices_each_arrive_with_their_index(tiny_stack: Stack) -> None:

@@ -11,14 +11,18 @@ from worker.engine.stop_checker import StopStringChecker
 
 
 def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool, list[str]]:
+    return _run_matched(stops, deltas)[:3]
+
+
+def _run_matched(stops: list[str], deltas: list[str]) -> tuple[str, bool, list[str], str | None]:
     checker = StopStringChecker(stops)
     emitted: list[str] = []
     for delta in deltas:
         emitted.append(checker.push(delta))
         if checker.is_stopped:
-            return "".join(emitted), True, emitted
+            return "".join(emitted), True, emitted, checker.matched
     emitted.append(checker.flush())
-    return "".join(emitted), False, emitted
+    return "".join(emitted), False, emitted, checker.matched
 
 
 def test_stop_split_across_deltas_is_not_emitted() -> None:
@@ -52,18 +56,26 @@ _alphabet = st.sampled_from("ab\n</>é")
 def test_any_split_gives_the_text_before_the_first_stop(text: str, stops: list[str], cuts: list[int]) -> None:
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     deltas = [text[a:b] for a, b in itertools.pairwise(bounds)]
-    emitted, stopped, _ = _run(stops, deltas)
-    matches = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    emitted, stopped, _, matched = _run_matched(stops, deltas)
+    matches = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
     if matches:
         # The stop that completes first (then the longer one) decides, as when fed char by char.
         assert stopped
-        assert emitted == text[: min(matches)[1]]
+        first = min(matches)
+        assert emitted == text[: first[1]]
+        assert matched == first[2]  # the stop reported is the one that cut the text
     else:
         assert not stopped
         assert emitted == text
+        assert matched is None
     assert not any(s in emitted for s in stops)
 
 
 def test_the_stop_completing_first_wins_over_an_earlier_longer_one() -> None:
     assert _run(["<", "><<"], ["><<"])[:2] == (">", True)
     assert _run(["<", "><<"], [">", "<", "<"])[:2] == (">", True)
+
+
+def test_the_matched_stop_is_named() -> None:
+    assert _run_matched(["xyz", "b"], ["a ", "b xyz"])[3] == "b"
+    assert _run_matched(["xyz"], ["no match"])[3] is None

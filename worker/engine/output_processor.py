@@ -39,6 +39,7 @@ class OutputProcessor:
         if finish_reason == "stop" and seq.pipeline is not None and seq.pipeline.num_tool_calls:
             finish_reason = "tool_calls"
         seq.finish_reason = finish_reason
+        stop_reason = self._stop_reason(seq, token_id) if finish_reason == "stop" else None
         if parsed.is_empty and finish_reason is None and logprob is None:
             return None
         token_ids, seq.unsent_token_ids = seq.unsent_token_ids, []
@@ -51,6 +52,7 @@ class OutputProcessor:
             tool_calls=parsed.tool_calls or None,
             logprobs=[logprob] if logprob is not None else None,
             finish_reason=finish_reason,
+            stop_reason=stop_reason,
         )
 
     @staticmethod
@@ -79,6 +81,16 @@ class OutputProcessor:
             return None
         if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
             return "stop"
+        return None
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | int | None:
+        """What ended a stopped choice, as vLLM reports it: the request's stop string or stop token
+        id that matched; None for EOS (and for markup the tool-call plan stops on)."""
+        matched = seq.stop_checker.matched
+        if matched is not None:
+            return matched if matched in seq.params.stop_strings else None
+        if token_id in seq.params.stop_token_ids and token_id not in self.eos_token_ids:
+            return token_id
         return None
 
     def _is_at_length_limit(self, seq: Sequence) -> bool:

@@ -17,7 +17,8 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 16
     min_new_tokens: int = 0
-    stop_strings: tuple[str, ...] = ()
+    stop_strings: tuple[str, ...] = ()  # the request's own: a match is reported as the stop reason
+    markup_stop_strings: tuple[str, ...] = ()  # added by the tool-call plan; end the text, never reported
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
     skip_special_tokens: bool = True

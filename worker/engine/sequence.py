@@ -93,7 +93,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.finish_reason: str | None = None
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
-        self.stop_checker = StopStringChecker(self.params.stop_strings)
+        self.stop_checker = StopStringChecker(self.params.stop_strings + self.params.markup_stop_strings)
         self.pipeline = request.make_pipeline() if request.make_pipeline is not None else None
         self.matcher = request.constraint.new_matcher() if request.constraint is not None else None
         self.generator: torch.Generator | None = None

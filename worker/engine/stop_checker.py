@@ -9,14 +9,16 @@ class StopStringChecker:
         self._stops = tuple(s for s in stop_strings if s)
         self._held = ""
         self.is_stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, text: str) -> str:
         """Feed new text; return what may be emitted now. Sets ``is_stopped`` on a match."""
         if not self._stops:
             return text
         pending = self._held + text
-        match_at = self._first_completed_match(pending)
-        if match_at is not None:
+        match = self._first_completed_match(pending)
+        if match is not None:
+            match_at, self.matched = match
             self._held = ""
             self.is_stopped = True
             return pending[:match_at]
@@ -29,17 +31,18 @@ class StopStringChecker:
         held, self._held = self._held, ""
         return held
 
-    def _first_completed_match(self, text: str) -> int | None:
-        """Start of the match that completes first (ties: the longer stop), as if fed char by char.
+    def _first_completed_match(self, text: str) -> tuple[int, str] | None:
+        """Start and stop string of the match that completes first (ties: the longer stop), as if
+        fed char by char.
 
         Deciding by completion point keeps the result independent of how text is split into deltas.
         """
-        best: tuple[int, int] | None = None
+        best: tuple[int, int, str] | None = None
         for stop in self._stops:
             start = text.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best):
-                best = (start + len(stop), start)
-        return None if best is None else best[1]
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[1], best[2])
 
     def _longest_partial_suffix(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
