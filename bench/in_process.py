@@ -18,6 +18,7 @@ from shared.openai.chat_request import ChatCompletionRequest
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine, RequestOutput
 from worker.model_loader import LoadedModel
+from worker.params import RequestLimits
 from worker.request_prep import prepare_chat
 from worker.tooling import resolve_tooling
 
@@ -66,8 +67,8 @@ class InProcessEngine:
             self.sink.traces[request_id] = trace
             traces.append(trace)
             request = ChatCompletionRequest.model_validate(body)
-            max_choices = self.engine.max_running
-            self.engine.submit(prepare_chat(request_id, request, self.loaded, self.tooling, max_choices))
+            limits = RequestLimits(self.engine.max_running)
+            self.engine.submit(prepare_chat(request_id, request, self.loaded, self.tooling, limits))
         while not self.sink.done.is_set():
             self.engine.run_step()
         return traces

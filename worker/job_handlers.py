@@ -4,7 +4,7 @@ micro-batching engine. Each refuses the other's jobs with a clear 400."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 from shared.errors import ErrorKind, RelayError
 from shared.events import StartEvent
@@ -14,6 +14,7 @@ from worker.embedding.loader import LoadedEmbedder
 from worker.engine.engine import LLMEngine
 from worker.engine.sequence import EngineRequest, ResumeState
 from worker.model_loader import LoadedModel
+from worker.params import RequestLimits
 from worker.request_prep import chat_prompt_ids, prepare_chat, prepare_completion
 from worker.structured import ConstraintCompiler
 from worker.tooling import ToolingConfig
@@ -53,10 +54,17 @@ def _wrong_task(job: AnyJob, serves: str) -> RelayError:
 
 
 class GenerationHandler:
-    def __init__(self, loaded: LoadedModel, tooling: ToolingConfig, engine: LLMEngine) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        tooling: ToolingConfig,
+        engine: LLMEngine,
+        max_tokens_over_context: Literal["clamp", "error"] = "clamp",
+    ) -> None:
         self.loaded = loaded
         self.tooling = tooling
         self.engine = engine
+        self.max_tokens_over_context = max_tokens_over_context
         self._compiler: ConstraintCompiler | None = None
 
     def get_compiler(self) -> ConstraintCompiler:
@@ -68,11 +76,11 @@ class GenerationHandler:
         return self._compiler
 
     def prepare(self, job: AnyJob, resume: ResumeState | None) -> EngineRequest:
-        max_choices = self.engine.max_running
+        limits = RequestLimits(self.engine.max_running, self.max_tokens_over_context)
         if isinstance(job, ChatJob):
-            request = prepare_chat(job.job_id, job.request, self.loaded, self.tooling, max_choices, self.get_compiler)
+            request = prepare_chat(job.job_id, job.request, self.loaded, self.tooling, limits, self.get_compiler)
         elif isinstance(job, CompletionJob):
-            request = prepare_completion(job.job_id, job.request, self.loaded, max_choices)
+            request = prepare_completion(job.job_id, job.request, self.loaded, limits)
         else:
             raise _wrong_task(job, "chat and text completions")
         request.resume = resume

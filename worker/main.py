@@ -104,7 +104,7 @@ class WorkerProcess:
         s = self.settings
         tooling = resolve_tooling(loaded.tokenizer, s.tool_parser, s.reasoning_parser, s.generic_tool_prompt)
         logger.info("tool parser: %s, reasoning parser: %s", tooling.tool_parser, tooling.reasoning_parser)
-        return GenerationHandler(loaded, tooling, engine)
+        return GenerationHandler(loaded, tooling, engine, s.max_tokens_over_context)
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings

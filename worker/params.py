@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
 from shared.errors import ErrorKind, RelayError
 from shared.openai.chat_request import ChatCompletionRequest
 from shared.openai.completion_request import CompletionRequest
 from worker.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What this worker allows a request: choices per request, and what a ``max_tokens`` past the
+    context's room means (``clamp``: the room left, so the choice may end with ``length``)."""
+
+    max_choices: int
+    max_tokens_over_context: Literal["clamp", "error"] = "clamp"
 
 
 def build_sampling_params(
     request: ChatCompletionRequest | CompletionRequest,
     num_prompt_tokens: int,
     max_model_len: int,
-    max_choices: int,
+    limits: RequestLimits,
     vocab_size: int | None = None,
 ) -> SamplingParams:
     """``vocab_size``: token ids the request names (logit_bias, stop_token_ids) must be below it."""
@@ -29,6 +44,10 @@ def build_sampling_params(
         )
     room = max_model_len - num_prompt_tokens
     requested = request.max_new_tokens
+    if requested is not None and requested > room and limits.max_tokens_over_context == "clamp":
+        logger.info("%s=%d clamped to the %d tokens the context has room for", request.max_new_tokens_param,
+                    requested, room)  # fmt: skip
+        requested = room
     if requested is not None and requested > room:
         param = request.max_new_tokens_param
         raise RelayError(
@@ -38,8 +57,9 @@ def build_sampling_params(
             f"in the completion). Please reduce the length of the messages or completion.",
             param,
         )
-    if request.n > max_choices:
-        raise RelayError(ErrorKind.INVALID_REQUEST, f"n={request.n} exceeds this worker's batch of {max_choices}", "n")
+    if request.n > limits.max_choices:
+        message = f"n={request.n} exceeds this worker's batch of {limits.max_choices}"
+        raise RelayError(ErrorKind.INVALID_REQUEST, message, "n")
     return SamplingParams(
         temperature=request.temperature,
         top_p=request.top_p,

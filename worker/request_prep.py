@@ -11,7 +11,7 @@ from shared.openai.chat_request import ChatCompletionRequest
 from shared.openai.completion_request import CompletionRequest
 from worker.engine.sequence import EngineRequest
 from worker.model_loader import LoadedModel
-from worker.params import build_sampling_params
+from worker.params import RequestLimits, build_sampling_params
 from worker.prompt import render_prompt
 from worker.structured import TOOL_CALL_FORMATS, ConstraintCompiler, ToolCallFormat, constraint_from_request
 from worker.tooling import ToolingConfig, plan_tooling
@@ -39,7 +39,7 @@ def prepare_chat(
     request: ChatCompletionRequest,
     loaded: LoadedModel,
     tooling: ToolingConfig,
-    max_choices: int,
+    limits: RequestLimits,
     compiler: Callable[[], ConstraintCompiler] | None = None,
 ) -> EngineRequest:
     """Checks, constraint, chat template, parameters, parsers: a chat request ready for the engine."""
@@ -55,7 +55,7 @@ def prepare_chat(
     plan = plan_tooling(tooling, request)
     prompt_token_ids, prompt_text = render_prompt(loaded.tokenizer, request, plan.template_tools, plan.system_prompt)
     params = build_sampling_params(
-        request, len(prompt_token_ids), loaded.max_model_len, max_choices, vocab_size=loaded.vocab_size
+        request, len(prompt_token_ids), loaded.max_model_len, limits, vocab_size=loaded.vocab_size
     )
     make_pipeline = None
     if plan.make_pipeline is not None:
@@ -79,7 +79,9 @@ def _check_constrainable(request: ChatCompletionRequest) -> None:
             raise RelayError(ErrorKind.INVALID_REQUEST, message, name)
 
 
-def prepare_completion(job_id: str, request: CompletionRequest, loaded: LoadedModel, max_choices: int) -> EngineRequest:
+def prepare_completion(
+    job_id: str, request: CompletionRequest, loaded: LoadedModel, limits: RequestLimits
+) -> EngineRequest:
     """Text prompts are tokenized as they are (with the tokenizer's special tokens, as vLLM does)."""
     if request.is_text_prompt:
         prompts = [loaded.tokenizer.encode(text) for text in request.prompts]
@@ -93,5 +95,5 @@ def prepare_completion(job_id: str, request: CompletionRequest, loaded: LoadedMo
         message = f"Token id {out_of_range} is outside this model's vocabulary [0, {vocab_size})."
         raise RelayError(ErrorKind.INVALID_REQUEST, message, "prompt")
     longest = max(len(prompt) for prompt in prompts)
-    params = build_sampling_params(request, longest, loaded.max_model_len, max_choices, vocab_size=vocab_size)
+    params = build_sampling_params(request, longest, loaded.max_model_len, limits, vocab_size=vocab_size)
     return EngineRequest(job_id, prompts, params, num_choices=request.n)

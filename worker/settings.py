@@ -50,6 +50,13 @@ class WorkerSettings(CommonSettings):
         default=None, ge=16, description="Context length served; defaults to the model's maximum."
     )
     max_num_seqs: int = Field(default=32, ge=1, description="Most sequences decoded together in one batch.")
+    max_tokens_over_context: Literal["clamp", "error"] = Field(
+        default="clamp",
+        description=(
+            "A max_tokens larger than the context has room for: clamp it to the room left (agent CLIs "
+            "send a fixed 32k), or answer 400 as vLLM does."
+        ),
+    )
     max_num_batched_tokens: int | None = Field(
         default=None,
         ge=16,

@@ -9,8 +9,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from shared.errors import ErrorKind, RelayError
 from shared.openai.chat_request import ChatCompletionRequest
-from worker.params import build_sampling_params
+from worker.params import RequestLimits, build_sampling_params
 from worker.prompt import render_prompt, to_template_message
+
+LIMITS = RequestLimits(max_choices=4)
+STRICT = RequestLimits(max_choices=4, max_tokens_over_context="error")
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +62,30 @@ def test_tool_call_arguments_reach_templates_as_a_mapping() -> None:
 
 
 def test_default_max_tokens_fills_the_context() -> None:
-    params = build_sampling_params(_request(), num_prompt_tokens=10, max_model_len=100, max_choices=4)
+    params = build_sampling_params(_request(), num_prompt_tokens=10, max_model_len=100, limits=LIMITS)
     assert params.max_new_tokens == 90
 
 
 @pytest.mark.parametrize(
     ("fields", "param"), [({"max_tokens": 91}, "max_tokens"), ({"max_completion_tokens": 95}, "max_completion_tokens")]
 )
-def test_prompt_plus_max_tokens_beyond_the_context_is_refused(fields: dict[str, object], param: str) -> None:
+def test_max_tokens_beyond_the_context_is_a_400_when_strict(fields: dict[str, object], param: str) -> None:
     with pytest.raises(RelayError) as raised:
-        build_sampling_params(_request(**fields), num_prompt_tokens=10, max_model_len=100, max_choices=4)
+        build_sampling_params(_request(**fields), num_prompt_tokens=10, max_model_len=100, limits=STRICT)
     assert raised.value.kind is ErrorKind.CONTEXT_LENGTH_EXCEEDED and raised.value.param == param
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": 32_768}, {"max_completion_tokens": 95}])
+def test_max_tokens_beyond_the_context_is_clamped_to_the_room_left_by_default(fields: dict[str, object]) -> None:
+    params = build_sampling_params(_request(**fields), num_prompt_tokens=10, max_model_len=100, limits=LIMITS)
+    assert params.max_new_tokens == 90
+    within = build_sampling_params(_request(max_tokens=20), num_prompt_tokens=10, max_model_len=100, limits=LIMITS)
+    assert within.max_new_tokens == 20
 
 
 def test_a_prompt_filling_the_context_is_refused() -> None:
     with pytest.raises(RelayError) as raised:
-        build_sampling_params(_request(), num_prompt_tokens=16_100, max_model_len=8192, max_choices=4)
+        build_sampling_params(_request(), num_prompt_tokens=16_100, max_model_len=8192, limits=LIMITS)
     assert raised.value.status == 400
     # What an agent's user needs to act: the prompt's size, the limit, and the way out.
     message = raised.value.message
@@ -83,11 +94,11 @@ def test_a_prompt_filling_the_context_is_refused() -> None:
 
 def test_sampling_fields_are_carried_over() -> None:
     request = _request(temperature=0.5, top_p=0.9, top_k=-1, seed=3, stop=["x"], logit_bias={"7": 2.5}, n=2)
-    params = build_sampling_params(request, num_prompt_tokens=1, max_model_len=100, max_choices=4)
+    params = build_sampling_params(request, num_prompt_tokens=1, max_model_len=100, limits=LIMITS)
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.5, 0.9, 0, 3)
     assert params.stop_strings == ("x",) and params.logit_bias == ((7, 2.5),)
     with pytest.raises(RelayError):
-        build_sampling_params(_request(n=5), num_prompt_tokens=1, max_model_len=100, max_choices=4)
+        build_sampling_params(_request(n=5), num_prompt_tokens=1, max_model_len=100, limits=LIMITS)
 
 
 @pytest.mark.parametrize(
@@ -96,7 +107,7 @@ def test_sampling_fields_are_carried_over() -> None:
 )
 def test_a_token_id_outside_the_vocabulary_is_a_400_naming_its_field(fields: dict[str, object], param: str) -> None:
     with pytest.raises(RelayError) as raised:
-        build_sampling_params(_request(**fields), num_prompt_tokens=1, max_model_len=100, max_choices=4, vocab_size=100)
+        build_sampling_params(_request(**fields), num_prompt_tokens=1, max_model_len=100, limits=LIMITS, vocab_size=100)
     assert raised.value.status == 400 and raised.value.param == param
     inside = {"logit_bias": {"99": 1.0}} if param == "logit_bias" else {"stop_token_ids": [99]}
-    build_sampling_params(_request(**inside), num_prompt_tokens=1, max_model_len=100, max_choices=4, vocab_size=100)
+    build_sampling_params(_request(**inside), num_prompt_tokens=1, max_model_len=100, limits=LIMITS, vocab_size=100)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from enum import Enum, auto
+from typing import ClassVar
 
 from shared.events import ToolCallDelta
 from worker.parsers.base import register_tool_parser
@@ -38,8 +39,9 @@ _JSON_WHITESPACE = " \t\r\n"
 class HermesCallReader(CallReader):
     """Reads the call object char by char and streams the arguments value as the model writes it."""
 
-    def __init__(self, index: int, new_call_id: Callable[[], str]) -> None:
+    def __init__(self, index: int, new_call_id: Callable[[], str], allowed_names: frozenset[str] | None = None) -> None:
         super().__init__(index, new_call_id)
+        self._allowed_names = allowed_names
         self._expect = _Expect.OBJECT
         self._member: JsonValueScanner | None = None  # the key or value being read
         self._role = _Role.KEY
@@ -135,6 +137,8 @@ class HermesCallReader(CallReader):
         self._expect = _Expect.AFTER_VALUE
         if self._role is _Role.NAME:
             self._name = json.loads(text)
+            if self._allowed_names is not None and self._name not in self._allowed_names:
+                return self._reject()  # no header has gone out: it waits for the name
             self._send_header_if_ready()
 
     def _send_header_if_ready(self) -> None:
@@ -168,5 +172,9 @@ class HermesCallReader(CallReader):
 
 @register_tool_parser("hermes")
 class HermesToolParser(ToolCallBlockParser):
-    def _new_reader(self, index: int) -> CallReader:
-        return HermesCallReader(index, self.new_call_id)
+    # Qwen2.5-Coder's habit: the call as a fenced JSON object. The fence closes at a line start: a
+    # JSON string holds no raw newline, so code with fences inside the arguments cannot close it.
+    lead_blocks: ClassVar[dict[str, str]] = {"```json": "\n```"}
+
+    def _new_reader(self, index: int, allowed_names: frozenset[str] | None = None) -> CallReader:
+        return HermesCallReader(index, self.new_call_id, allowed_names)

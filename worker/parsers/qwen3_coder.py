@@ -243,5 +243,5 @@ class Qwen3CoderCallReader(CallReader):
 
 @register_tool_parser("qwen3_coder")
 class Qwen3CoderToolParser(ToolCallBlockParser):
-    def _new_reader(self, index: int) -> CallReader:
+    def _new_reader(self, index: int, allowed_names: frozenset[str] | None = None) -> CallReader:
         return Qwen3CoderCallReader(index, self.new_call_id, self.tools)

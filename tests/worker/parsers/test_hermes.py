@@ -122,6 +122,57 @@ def test_table_whole_and_split_every_way(text: str, expected: Message) -> None:
         assert without_ids(parse_tools(HermesToolParser, pieces)) == expected, pieces
 
 
+def _tool(name: str) -> dict[str, object]:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+OFFERED = [_tool("get_weather"), _tool("get_time"), _tool("f")]
+FENCED_WEATHER = '```json\n{"name": "get_weather", "arguments": {"city": "Beijing"}}\n```'
+# Qwen2.5-Coder often writes the call as a fenced JSON object instead of the tags.
+LEAD_CASES: dict[str, tuple[str, Message]] = {
+    "a fenced call first": (FENCED_WEATHER, Message(tool_calls=[Call("get_weather", '{"city": "Beijing"}')])),
+    "blanks before it are layout": (
+        "\n " + FENCED_WEATHER + "\n",
+        Message(tool_calls=[Call("get_weather", '{"city": "Beijing"}')]),
+    ),
+    "then a tagged call": (
+        FENCED_WEATHER + "\n" + TIME,
+        Message(
+            tool_calls=[
+                Call("get_weather", '{"city": "Beijing"}'),
+                Call("get_time", '{"tz": "UTC+8", "verbose": true}'),
+            ]
+        ),
+    ),
+    "fences inside the arguments do not close it": (
+        '```json\n{"name": "f", "arguments": {"code": "```py\\nx\\n```"}}\n```',
+        Message(tool_calls=[Call("f", '{"code": "```py\\nx\\n```"}')]),
+    ),
+    "no closing fence": ('```json\n{"name": "f", "arguments": {"a": 1}}', Message(tool_calls=[Call("f", '{"a": 1}')])),
+    "a tool not offered is content": (
+        '```json\n{"name": "rm_rf", "arguments": {}}\n```',
+        Message(content='```json\n{"name": "rm_rf", "arguments": {}}\n```'),
+    ),
+    "JSON that is no call is content": (
+        '```json\n{"answer": 42}\n```',
+        Message(content='```json\n{"answer": 42}\n```'),
+    ),
+    "a fence after text is content": ("Sure:\n" + FENCED_WEATHER, Message(content="Sure:\n" + FENCED_WEATHER)),
+    "a fence after a call is content": (
+        WEATHER + FENCED_WEATHER,
+        Message(content=FENCED_WEATHER, tool_calls=[Call("get_weather", '{"city": "Beijing"}')]),
+    ),
+    "another language is content": ("```python\nprint(1)\n```", Message(content="```python\nprint(1)\n```")),
+    "half a fence at the end is content": ("``", Message(content="``")),
+}
+
+
+@pytest.mark.parametrize("text, expected", LEAD_CASES.values(), ids=LEAD_CASES.keys())
+def test_a_fenced_json_call_first_is_a_call_when_it_names_an_offered_tool(text: str, expected: Message) -> None:
+    for pieces in every_way_to_split(text):
+        assert without_ids(parse_tools(HermesToolParser, pieces, OFFERED)) == expected, pieces
+
+
 def test_registered_by_name() -> None:
     assert tool_parser_class("hermes") is HermesToolParser
 
@@ -217,7 +268,7 @@ def test_generated_output_gives_its_message_however_split(case: tuple[str, Messa
 
 
 _JSON_FRAGMENTS = ["{", "}", "[", "]", '"', ":", ",", "\\", "\\u", "0", "1e", "-", ".", "tr", "null", " ", "\n", "é"]
-_TAG_FRAGMENTS = ['"name": "f"', '"arguments"', "<tool_call>", "</tool_call>", "</tool"]
+_TAG_FRAGMENTS = ['"name": "f"', '"arguments"', "<tool_call>", "</tool_call>", "</tool", "```json", "\n```", "``"]
 
 
 @st.composite
@@ -240,6 +291,6 @@ _jsonish_text = st.lists(st.sampled_from(_JSON_FRAGMENTS + _TAG_FRAGMENTS), max_
 @given(text=st.one_of(_mangled_output(), _jsonish_text), data=st.data())
 def test_any_text_cut_anywhere_agrees_with_whole_and_never_raises(text: str, data: st.DataObject) -> None:
     text = text[: data.draw(st.integers(min_value=0, max_value=len(text)))]  # generation may stop anywhere
-    whole = parse_tools(HermesToolParser, [text])  # also checks every call's arguments are JSON
-    assert parse_tools(HermesToolParser, split_at(text, data.draw(cuts_for(text)))) == whole
-    assert parse_tools(HermesToolParser, list(text)) == whole
+    whole = parse_tools(HermesToolParser, [text], OFFERED)  # also checks every call's arguments are JSON
+    assert parse_tools(HermesToolParser, split_at(text, data.draw(cuts_for(text))), OFFERED) == whole
+    assert parse_tools(HermesToolParser, list(text), OFFERED) == whole

@@ -1,0 +1,61 @@
+"""A real agent CLI against a real stack: qwen-code (from npm) on the opt-in Qwen2.5-Coder model,
+with its own system prompt and tools (about 16k prompt tokens), makes one full tool round trip over
+each API it speaks: Chat Completions, the Responses API and the Anthropic Messages API.
+
+The model (trained, 0.5B) decides to call the tool itself: the CLI sends no tool_choice. It writes
+the call as a fenced JSON object, which the hermes parser takes as a call (as llama.cpp does)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_stack
+from tests.support import models
+from tests.support.agent_cli import ensure_qwen_code, npm_available, run_qwen_code
+from tests.support.stack import Stack
+from worker.model_loader import ensure_named_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.real_model,
+    pytest.mark.skipif(not npm_available(), reason="node and npm are needed to install qwen-code"),
+]
+MODEL = "qwen2.5-coder-0.5b-instruct"
+SECRET = "PELICAN"
+PROMPT = "Call the read_file tool on notes.txt, then tell me the secret word in it."
+ROUTES = {"openai": "/v1/chat/completions", "openai-responses": "/v1/responses", "anthropic": "/v1/messages"}
+
+
+@pytest.fixture(scope="module")
+def agent_stack(redis_url: str, log_dir: Path) -> Iterator[Stack]:
+    stack = make_stack(redis_url, log_dir)
+    try:
+        stack.start_api()
+        ensure_named_model(MODEL, models.test_cache_dir())  # fetched and converted outside the start-up timeout
+        # The model's whole 32k context: the CLI's first prompt alone is about 16k tokens.
+        stack.start_worker(MODEL, MODEL, cache_dir=models.test_cache_dir(), max_num_seqs=2)
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.mark.parametrize("auth_type", list(ROUTES))
+def test_qwen_code_makes_a_tool_round_trip(agent_stack: Stack, auth_type: str, tmp_path: Path) -> None:
+    executable = ensure_qwen_code()
+    (tmp_path / "notes.txt").write_text(f"The secret word is {SECRET}.\n")
+    run = run_qwen_code(executable, agent_stack.base_url, MODEL, auth_type, tmp_path, PROMPT, timeout_s=240)
+    assert run.returncode == 0 and run.messages, run.stderr[-3000:]
+    result = run.result
+    assert result["subtype"] == "success" and not result["is_error"], result
+    # The round trip: the model called the tool, the CLI ran it and sent the result back, and the
+    # model answered that turn (what it says is the 0.5B model's business, not the protocol's).
+    calls = [block for block in run.content_blocks("assistant") if block["type"] == "tool_use"]
+    assert calls and calls[0]["name"] == "read_file" and calls[0]["input"]["file_path"].endswith("notes.txt")
+    [returned, *_] = [block for block in run.content_blocks("user") if block["type"] == "tool_result"]
+    assert returned["tool_use_id"] == calls[0]["id"] and not returned["is_error"]
+    assert SECRET in str(returned["content"])
+    assert result["num_turns"] >= 2 and result["usage"]["input_tokens"] > 10_000
+    assert f'"POST {ROUTES[auth_type]} HTTP/1.1" 200' in agent_stack.api.log()
