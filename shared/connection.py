@@ -8,6 +8,8 @@ import logging
 
 from redis import exceptions as redis_errors
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 logger = logging.getLogger("relaylm.redis")
 
@@ -21,6 +23,13 @@ _RETRY_MAX_S = 5.0
 MAX_CONNECTIONS = 64
 
 
+def _stale_socket_retry() -> Retry:
+    """Once more, on a fresh connection, when a pooled one turns out dead (Redis restarted, or an
+    idle socket cut): without it, each of up to MAX_CONNECTIONS stale sockets fails one request
+    with a 503 after Redis is back. Timeouts are not retried: a frozen Redis must fail fast."""
+    return Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
+
+
 def connect_redis(redis_url: str) -> Redis:
     """A lazily connecting client: the first command connects, so start-up never blocks on Redis."""
     pool = BlockingConnectionPool.from_url(
@@ -29,6 +38,7 @@ def connect_redis(redis_url: str) -> Redis:
         timeout=COMMAND_TIMEOUT_S,
         socket_connect_timeout=_CONNECT_TIMEOUT_S,
         socket_timeout=COMMAND_TIMEOUT_S,
+        retry=_stale_socket_retry(),
     )
     return Redis(connection_pool=pool)
 

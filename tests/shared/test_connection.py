@@ -1,9 +1,11 @@
-"""The shared Redis client under a burst: more concurrent commands than it has connections."""
+"""The shared Redis client under a burst (more concurrent commands than it has connections) and
+after a Redis restart (every pooled socket dead)."""
 
 from __future__ import annotations
 
 import asyncio
 
+from relaylm.redis_launcher import find_redis_server, start_redis
 from shared.connection import MAX_CONNECTIONS, connect_redis
 
 
@@ -23,3 +25,35 @@ def test_a_burst_past_the_connection_limit_waits_its_turn(redis_url: str) -> Non
     results = asyncio.run(burst())
     assert results[:MAX_CONNECTIONS] == [None] * MAX_CONNECTIONS
     assert results[MAX_CONNECTIONS:] == [True] * (3 * MAX_CONNECTIONS)
+
+
+def test_every_pooled_connection_recovers_after_a_redis_restart() -> None:
+    # A restart leaves each pooled socket dead; each one used to fail one request (503) after Redis
+    # was back. Now a dead socket is replaced and the command sent again, once.
+    binary = find_redis_server()
+    assert binary is not None
+    first = start_redis(binary)
+    assert first.process is not None
+    killed = first.process
+    port = int(first.url.rsplit(":", 1)[1].split("/")[0])
+
+    async def scenario() -> list[object]:
+        redis = connect_redis(first.url)
+        try:
+            # Sixteen connections in the pool, each held open by a short BLPOP at once.
+            await asyncio.gather(*(redis.blpop(["relaylm-test:empty"], timeout=0.1) for _ in range(16)))
+            killed.kill()
+            killed.wait()
+            second = start_redis(binary, port=port)
+            try:
+                assert second.url == first.url
+                return [await redis.set(f"relaylm-test:after-restart:{i}", i) for i in range(32)]
+            finally:
+                second.stop()
+        finally:
+            await redis.aclose()
+
+    try:
+        assert asyncio.run(scenario()) == [True] * 32
+    finally:
+        first.stop()
