@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint format bench bench-hop bench-load bench-scaling bench-batch clean venv
+.PHONY: serve test lint format bench bench-hop bench-load bench-scaling bench-batch bench-quant clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -55,6 +55,10 @@ bench-batch: $(BENCH_INSTALLED)
 ## Scaling and failover (~3 min): one worker vs two, a new worker taking load, SIGKILL failover.
 bench-scaling: $(BENCH_INSTALLED)
 	$(PY) -m bench.scaling_bench $(ARGS)
+
+## What --quantization int8/int4 cost and give (~4 min): perplexity, greedy agreement, tok/s; bench/results/quantization.json.
+bench-quant: $(BENCH_INSTALLED)
+	$(PY) -m bench.quantization_bench $(ARGS)
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .

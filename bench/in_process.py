@@ -35,6 +35,8 @@ class _TraceSink:
         for output in outputs:
             trace = self.traces[output.request_id]
             for event in output.events:
+                if isinstance(event, DeltaEvent):
+                    trace.token_ids += event.token_ids
                 if isinstance(event, DeltaEvent) and event.content:
                     trace.token_times.append(now)
                 elif isinstance(event, EndEvent):

@@ -19,6 +19,7 @@ class StreamTrace:
     token_times: list[float] = field(default_factory=list)  # arrival of each delta carrying text
     num_tokens: int = 0
     finished_at: float = 0.0
+    token_ids: list[int] = field(default_factory=list)  # generated ids, where the runner sees them
 
     @property
     def ttft_s(self) -> float | None:

@@ -77,7 +77,7 @@ class WorkerProcess:
 
     def _load(self) -> LoadedModel:
         s = self.settings
-        return load_model(s.model, s.cache_dir, s.device, s.dtype, s.max_model_len, s.model_impl)
+        return load_model(s.model, s.cache_dir, s.device, s.dtype, s.max_model_len, s.model_impl, s.quantization)
 
     def _build(self, loaded: LoadedModel) -> LLMEngine:
         s = self.settings

@@ -25,6 +25,7 @@ import torch
 from worker.engine.model_config import text_config
 from worker.named_models import NAMED_MODELS, NamedModelError, assemble_gguf
 from worker.native.loader import load_native
+from worker.native.quantize import Quantization, quantize
 from worker.native.spec import UnsupportedCheckpoint, read_decoder_spec, read_eos_token_ids
 from worker.settings import DEFAULT_MODEL
 
@@ -197,7 +198,7 @@ def _load_transformers_model(source: str, dtype: torch.dtype, device: torch.devi
 
 
 def _load_forward(
-    source: str, model_impl: str, dtype: torch.dtype, device: torch.device
+    source: str, model_impl: str, dtype: torch.dtype, device: torch.device, quantization: Quantization = "none"
 ) -> tuple[torch.nn.Module, object]:
     if model_impl != "transformers":
         try:
@@ -206,15 +207,32 @@ def _load_forward(
         except UnsupportedCheckpoint as exc:
             if model_impl == "native":
                 raise ModelLoadError(f"--model-impl native cannot serve {source}: {exc}") from exc
+            if quantization != "none":
+                message = f"--quantization {quantization} needs the native forward, which cannot serve {source}: {exc}"
+                raise ModelLoadError(message) from exc
             logger.info("native forward does not apply (%s); using transformers", exc)
         else:
             logger.info("native forward: %s, %d layers", spec.model_type, spec.num_hidden_layers)
+            try:
+                quantize(forward, quantization)
+            except ValueError as exc:
+                raise ModelLoadError(str(exc)) from exc
+            if quantization != "none":
+                logger.info("weights quantized: %s (weight-only, per output channel)", quantization)
             return forward, read_eos_token_ids(Path(source))
+    elif quantization != "none":
+        raise ModelLoadError(f"--quantization {quantization} needs the native forward, not --model-impl transformers")
     return _load_transformers_model(source, dtype, device)
 
 
 def load_model(
-    model: str, cache_dir: Path, device: str, dtype: str, max_model_len: int | None, model_impl: str = "auto"
+    model: str,
+    cache_dir: Path,
+    device: str,
+    dtype: str,
+    max_model_len: int | None,
+    model_impl: str = "auto",
+    quantization: Quantization = "none",
 ) -> LoadedModel:
     source = resolve_source(model, cache_dir)
     torch_device = resolve_device(device)
@@ -222,7 +240,7 @@ def load_model(
     logger.info("loading %s as %s on %s", source, torch_dtype, torch_device)
     try:
         tokenizer = load_tokenizer(source)
-        forward, generation_eos = _load_forward(source, model_impl, torch_dtype, torch_device)
+        forward, generation_eos = _load_forward(source, model_impl, torch_dtype, torch_device, quantization)
     except OSError as exc:
         raise ModelLoadError(f"cannot load model {model!r}: {exc}") from exc
     config = text_config(forward.config)

@@ -46,6 +46,13 @@ class WorkerSettings(CommonSettings):
             "transformers, or auto (native where it applies)."
         ),
     )
+    quantization: Literal["none", "int8", "int4"] = Field(
+        default="none",
+        description=(
+            "Small decode batches (up to 4 rows) read int8 or int4 (groups of 32) copies of the native "
+            "forward's matmul weights (CPU): faster single streams, more weight memory, some quality cost."
+        ),
+    )
     max_model_len: int | None = Field(
         default=None, ge=16, description="Context length served; defaults to the model's maximum."
     )

@@ -152,6 +152,8 @@ class NativeCausalLM(nn.Module):
         self.config = spec
         self.model = DecoderBody(spec)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # A module that computes the logits in place of the (tied) head weight: the quantized head.
+        self.head: nn.Module | None = None
         self.inv_freq: torch.Tensor = torch.empty(0)
 
     @property
@@ -185,5 +187,7 @@ class NativeCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return self.head(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)
