@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint format bench bench-hop bench-load bench-scaling bench-batch bench-quant clean venv
+.PHONY: serve test lint format bench bench-hop bench-load bench-scaling bench-batch bench-quant llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -36,7 +36,11 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	$(PY) -m pip install -q -e '.[dev,embedded-redis,bench]'
 	touch $@
 
-## Serving benchmark (CPU: ~5 min): table on stdout, bench/results/serving.{json,png}.
+## Build llama.cpp's llama-server (the peer `make bench` compares with) from the llama-cpp-python sdist (~4 min on 2 cores).
+llama-server: $(INSTALLED)
+	scripts/build-llama-server.sh $(PY)
+
+## Serving benchmark (CPU: ~8 min; with llama-server as a peer when built): table on stdout, bench/results/serving.{json,png}.
 bench: $(BENCH_INSTALLED)
 	$(PY) -m bench.serving_bench $(ARGS)
 

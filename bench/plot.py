@@ -14,7 +14,9 @@ import matplotlib.pyplot as plt
 def plot_results(report: dict[str, Any], path: Path) -> None:
     runs = report["runs"]
     figure, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for prefix, label, style in (("b", "in-process engine", "o--"), ("c", "full stack (HTTP + Redis)", "o-")):
+    series = (("b", "in-process engine", "o--"), ("c", "full stack (HTTP + Redis)", "o-"),
+              ("d", "llama-server, same GGUF", "^-"))  # fmt: skip
+    for prefix, label, style in series:
         points = sorted((r["concurrency"], r) for r in runs if r["mode"].startswith(prefix))
         if not points:
             continue

@@ -30,10 +30,18 @@ def build_report(
         targets["itl_p99_over_p50_at_32"] = (stack32.itl_p99_ms or 0) / (stack32.itl_p50_ms or 1)
     if serial and stack1 and serial.decode_tok_s and stack1.decode_tok_s:
         targets["batch1_decode_stack_over_hf"] = stack1.decode_tok_s / serial.decode_tok_s
+    peer1, peer32 = find("d", 1), find("d", 32)
+    if stack1 and peer1:
+        targets["tok_s_1_stack_over_llama_server"] = stack1.tok_s / peer1.tok_s
+    if stack32 and peer32:
+        targets["tok_s_32_stack_over_llama_server"] = stack32.tok_s / peer32.tok_s
     targets.update({"queue_hop_p50_ms": hop["hop_p50_ms"], "queue_hop_p99_ms": hop["hop_p99_ms"]})
     return {
         "command": "python -m bench.serving_bench "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "llama_server_version")
+        ),
+        "llama_server_version": getattr(args, "llama_server_version", None),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {
             "cpu": platform.processor() or platform.machine(),

@@ -1,5 +1,6 @@
 """Serving benchmark: (a) serial HF generate, (b) the engine in-process, (c) the full stack over
-HTTP, on the same model and dtype; plus queue-hop TTFT and a prefix-cache scenario.
+HTTP, on the same model and dtype, and (d) llama.cpp's llama-server on the same GGUF when one is
+found (``make llama-server`` builds it); plus queue-hop TTFT and a prefix-cache scenario.
 
     python -m bench.serving_bench            # what `make bench` runs
     python -m bench.serving_bench --concurrency 1,8 --output-tokens 32   # a quick look
@@ -13,12 +14,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench import baseline_hf, http_load
+from bench import baseline_hf, http_load, llama_server_peer
 from bench.in_process import InProcessEngine
 from bench.plot import plot_results
 from bench.report import build_report, render_table
@@ -27,7 +29,7 @@ from bench.workload import chat_prompt_ids, distinct_prompts
 from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.support.stack import Stack
 from worker.engine.builder import EngineConfig, default_max_num_batched_tokens
-from worker.model_loader import load_model
+from worker.model_loader import load_model, locate_default_gguf
 from worker.settings import DEFAULT_MODEL, WorkerSettings
 
 RESULTS = Path(__file__).parent / "results"
@@ -47,6 +49,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the worker's")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=RESULTS / "serving.json")
+    parser.add_argument(
+        "--llama-server",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: run llama-server on the same GGUF as (d) when one is found",
+    )
+    parser.add_argument("--gguf", type=Path, default=None, help="the GGUF for (d); default: the default model's")
     return parser.parse_args()
 
 
@@ -130,6 +139,25 @@ def sweep(label: str, concurrencies: list[int], run: Callable[[int], list[Stream
     return summaries
 
 
+def peer_sweep(args: argparse.Namespace, concurrencies: list[int], texts: list[str]) -> list[RunSummary]:
+    """(d): llama-server on the same GGUF, all cores, a slot per client, the same requests."""
+    binary = llama_server_peer.find_llama_server() if args.llama_server == "auto" else None
+    gguf = args.gguf or (locate_default_gguf() if args.model == DEFAULT_MODEL else None)
+    if binary is None or gguf is None:
+        why = "no GGUF for this model (--gguf)" if binary else "no llama-server (make llama-server builds one)"
+        print(f"  d: llama-server skipped: {why}", flush=True)
+        return []
+    args.llama_server_version = llama_server_peer.version(binary)
+    threads = len(os.sched_getaffinity(0))
+    with llama_server_peer.running_llama_server(binary, gguf, max(concurrencies), args.max_model_len, threads) as url:
+
+        def peer_run(concurrency: int) -> list[StreamTrace]:
+            return asyncio.run(http_load.run_streams(url, "peer", texts[:concurrency], args.output_tokens))
+
+        asyncio.run(http_load.run_streams(url, "peer", texts[:1], 8))  # warm-up
+        return sweep(f"d: llama-server ({gguf.name})", concurrencies, peer_run)
+
+
 def main() -> None:
     args = parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -166,6 +194,7 @@ def main() -> None:
             for i in range(args.ttft_samples)
         ]  # fmt: skip
     engine.close()
+    summaries += peer_sweep(args, concurrencies, texts)
     prefix = prefix_scenario(loaded, args)
     report = build_report(args, dtype, str(loaded.model.device), summaries, queue_hop(pairs), prefix)
     args.out.parent.mkdir(parents=True, exist_ok=True)

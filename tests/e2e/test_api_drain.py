@@ -5,6 +5,7 @@ streams finish whole, and then the process exits."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -119,9 +120,12 @@ def test_a_drain_ends_when_its_window_has_passed(redis_url: str, log_dir: Path, 
                 signalled_at = time.monotonic()
                 api.popen.send_signal(signal.SIGTERM)
                 assert api.popen.wait(timeout=15) in (0, -signal.SIGTERM)
+                # The open stream held the drain for its whole window (an idle API ends it at once).
                 assert time.monotonic() - signalled_at >= 1.0
             finally:
                 worker.popen.send_signal(signal.SIGCONT)
-        assert "drained (1 request(s) still in flight)" in api.log()
+        # At the window's end sse-starlette's grace (the same length) cuts the stream while the drain
+        # check, every 0.1 s, ends the server: which comes first decides whether it counts 1 or 0.
+        assert re.search(r"drained \([01] request\(s\) still in flight\)", api.log())
     finally:
         stack.stop()
