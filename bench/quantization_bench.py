@@ -1,4 +1,5 @@
-"""What ``--quantization int8`` / ``int4`` cost in quality and give in speed, on the default model.
+"""What ``--quantization int8`` / ``int4`` cost in quality and give in speed, on the default model;
+and FBGEMM's dynamic int8, which is not offered, to show why.
 
     python -m bench.quantization_bench [--tokens 48] [--seconds 8]
 
@@ -17,6 +18,7 @@ import argparse
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import PrefillChunk
 from worker.model_loader import LoadedModel, load_model
 from worker.native.decoder import NativeCausalLM
+from worker.native.quantize import Int8Linear
 
 RESULTS = Path(__file__).parent / "results" / "quantization.json"
 
@@ -92,6 +95,32 @@ def perplexity(loaded: LoadedModel, text: str) -> float:
     return math.exp(nll.item())
 
 
+class _FbgemmDynamicLinear(torch.nn.Module):
+    """The rejected alternative, measured so that the rejection stays checkable: FBGEMM's dynamic
+    int8 linear (per-channel int8 weights, each input quantized per tensor to 7 bits)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        full = weight.detach().float()
+        scales = (full.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+        with warnings.catch_warnings():  # quantized tensor constructors warn of a future removal
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(full, scales, torch.zeros(len(scales), dtype=torch.long), 0,
+                                                 torch.qint8)  # fmt: skip
+        self._packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x.float(), self._packed, True).to(x.dtype)
+
+
+def _fbgemm_dynamic(model: NativeCausalLM) -> None:
+    """Every packed matmul of an int8-quantized model replaced by the FBGEMM dynamic one, at any row count."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Linear):
+                setattr(parent, name, _FbgemmDynamicLinear(child.weight, child.bias))
+
+
 def greedy(loaded: LoadedModel, prompts: list[str], tokens: int) -> list[list[int]]:
     """Each prompt's greedy continuation, through the engine (its KV cache), one prompt at a time."""
     config = EngineConfig(max_num_seqs=1, max_num_batched_tokens=512, max_model_len=1024, kv_cache_bytes=2**28)
@@ -131,8 +160,13 @@ def main() -> None:
     folder = default_model_dir()
     rows = []
     reference: list[list[int]] | None = None
-    for mode in ("none", "int8", "int4"):
-        loaded = load_model(str(folder), Path("/nonexistent"), "cpu", "auto", 1024, "native", mode)
+    for mode in ("none", "int8", "int4", "fbgemm-dynamic (not offered)"):
+        rejected = mode.startswith("fbgemm")
+        packing = "int8" if rejected else mode
+        loaded = load_model(str(folder), Path("/nonexistent"), "cpu", "auto", 1024, "native", packing)
+        if rejected:
+            assert isinstance(loaded.model, NativeCausalLM)
+            _fbgemm_dynamic(loaded.model)
         dtype = str(loaded.model.dtype).removeprefix("torch.")
         outputs = greedy(loaded, PROMPTS, args.tokens)
         if reference is None:
@@ -154,7 +188,7 @@ def main() -> None:
         }
         rows.append(row)
         del loaded
-    columns = [("quantization", "{:>12}"), ("dtype", "{:>9}"), ("perplexity", "{:>10.3f}"),
+    columns = [("quantization", "{:>28}"), ("dtype", "{:>9}"), ("perplexity", "{:>10.3f}"),
                ("greedy_identical", "{:>16.0%}"), ("greedy_prefix_share", "{:>19.0%}"),
                ("decode_tok_s_1", "{:>14.1f}"), ("decode_tok_s_32", "{:>15.1f}")]  # fmt: skip
     widths = [len(fmt.format(rows[0][name])) for name, fmt in columns]

@@ -25,7 +25,7 @@ import torch
 from worker.engine.model_config import text_config
 from worker.named_models import NAMED_MODELS, NamedModelError, assemble_gguf
 from worker.native.loader import load_native
-from worker.native.quantize import Quantization, quantize
+from worker.native.quantize import PACKED_MAX_ROWS, Quantization, quantize
 from worker.native.spec import UnsupportedCheckpoint, read_decoder_spec, read_eos_token_ids
 from worker.settings import DEFAULT_MODEL
 
@@ -218,7 +218,7 @@ def _load_forward(
             except ValueError as exc:
                 raise ModelLoadError(str(exc)) from exc
             if quantization != "none":
-                logger.info("weights quantized: %s (weight-only, per output channel)", quantization)
+                logger.info("weights quantized: %s copies for matmuls of up to %d rows", quantization, PACKED_MAX_ROWS)
             return forward, read_eos_token_ids(Path(source))
     elif quantization != "none":
         raise ModelLoadError(f"--quantization {quantization} needs the native forward, not --model-impl transformers")

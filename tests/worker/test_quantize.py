@@ -15,7 +15,7 @@ from tests.worker.test_native_decoder import FAMILIES, SHAPE, _runner, _save, _S
 from worker.engine.scheduler import PrefillChunk
 from worker.model_loader import ModelLoadError, load_model
 from worker.native.decoder import Linear, NativeCausalLM
-from worker.native.quantize import INT8_MAX_ROWS, Int4Linear, Int8Linear, Quantization, quantize
+from worker.native.quantize import PACKED_MAX_ROWS, Int4Linear, Int8Linear, Quantization, quantize
 
 KINDS = {"int8": Int8Linear, "int4": Int4Linear}
 # Relative error of one matmul on Gaussian weights: ~0.6 % from int8 rounding, ~8 % from 4 bits.
@@ -34,7 +34,7 @@ def test_a_packed_matmul_is_close_to_the_full_one(mode: str, dtype: torch.dtype)
         exact = F.linear(x.float(), weight, bias)
         assert out.shape == (*shape[:2], 96) and out.dtype == dtype
         error = ((out.float() - exact).norm() / exact.norm()).item()
-        if shape[0] * shape[1] > INT8_MAX_ROWS:
+        if shape[0] * shape[1] > PACKED_MAX_ROWS:
             torch.testing.assert_close(out, F.linear(x, weight.to(dtype), bias.to(dtype)))
         else:
             assert 0 < error < MATMUL_ERROR[mode]  # rounded, not exact: the packed kernel ran

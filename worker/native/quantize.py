@@ -1,17 +1,17 @@
-"""Int8 weights for the native decoder's small decode batches on CPU (``--quantization int8``).
+"""Packed int8 / int4 weights for the native decoder's small decode batches on CPU
+(``--quantization int8|int4``).
 
 A decode step of a few rows reads every weight once and does little else with it: there the
-read is the cost, and int8 weights halve the bytes of bf16 ones. Each output channel keeps one
-scale (symmetric, ``max |w| / 127``); activations stay in the serving dtype, and torch's packed
-kernel (``aten._weight_int8pack_mm``) multiplies without writing a dequantized copy, ~2.3x a bf16
-matmul for one row on this CPU. That kernel loops over rows, though: from ~5 rows on, oneDNN's
-bf16 GEMM is faster (at 32 rows by ~4x), so matmuls of more than ``INT8_MAX_ROWS`` rows (prefill
-chunks, busy batches) keep using the serving-dtype weights. The cost is memory: the int8 copy
-adds half the weights' size.
+read is the cost, and int8 weights halve the bytes of bf16 ones (int4: a quarter). Activations
+stay in the serving dtype, and torch's packed kernels (``aten._weight_int8pack_mm``,
+``aten._weight_int4pack_mm_for_cpu``) multiply without writing a dequantized copy. They loop over
+rows, though: from ~5 rows on oneDNN's bf16 GEMM is faster, so matmuls of more than
+``PACKED_MAX_ROWS`` rows (prefill chunks, busy batches) keep using the serving-dtype weights
+(``bench/packed_matmul_bench.py`` times both). The cost is memory: the packed copy comes on top.
 
-FBGEMM's dynamic int8 (inputs quantized per tensor) was faster still at every batch size, but
-tripled the default model's perplexity (26.8 to 79.2, ``bench/quantization_bench.py``): not offered.
-The token embedding is a lookup and stays as it is; the LM head gets its own int8 copy.
+FBGEMM's dynamic int8 (inputs quantized per tensor) is not offered: slower than int4 for one
+stream, and its greedy text departs soonest (``bench/quantization_bench.py`` measures it). The token embedding
+is a lookup and stays as it is; the LM head gets its own packed copy.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from worker.native.decoder import Linear, NativeCausalLM
 
 Quantization = Literal["none", "int8", "int4"]
 INT4_GROUP = 32
-# Measured crossover (bench/quantization_bench.py's micro-benchmark notes in README): at 4 rows the
-# int8 kernel still wins on every SmolLM2 shape, at 8 it loses on all of them.
-INT8_MAX_ROWS = 4
+# The crossover bench/packed_matmul_bench.py measures on SmolLM2's shapes: at 4 rows the packed
+# kernels still win, at 8 they lose.
+PACKED_MAX_ROWS = 4
 
 
 class _SmallBatchLinear(nn.Module):
-    """``y = x W^T (+ b)``: a packed low-bit weight for up to ``INT8_MAX_ROWS`` input rows, the
+    """``y = x W^T (+ b)``: a packed low-bit weight for up to ``PACKED_MAX_ROWS`` input rows, the
     serving-dtype weight for more."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -45,7 +45,7 @@ class _SmallBatchLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > INT8_MAX_ROWS:
+        if flat.shape[0] > PACKED_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         out = self._packed_mm(flat.contiguous())
         out = out.view(*x.shape[:-1], out.shape[-1])
