@@ -1,7 +1,7 @@
 """What ``--quantization int8`` / ``int4`` cost in quality and give in speed, on the default model;
 and FBGEMM's dynamic int8, which is not offered, to show why.
 
-    python -m bench.quantization_bench [--tokens 48] [--seconds 8]
+    python -m bench.quantization_bench [--tokens 48] [--seconds 8] [--threads N]
 
 Quality, against the same model unquantized in the same dtype (bf16 where the CPU has it):
 perplexity on a fixed passage (teacher-forced one token per decode step, as one stream runs), and
@@ -31,7 +31,9 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import PrefillChunk
 from worker.model_loader import LoadedModel, load_model
 from worker.native.decoder import NativeCausalLM
-from worker.native.quantize import Int8Linear
+from worker.native.gguf_groups import load_groups
+from worker.native.quantize import Int4Linear, Int8Linear, quantize
+from worker.thread_budget import available_cores
 
 RESULTS = Path(__file__).parent / "results" / "quantization.json"
 
@@ -151,22 +153,50 @@ def decode_speed(loaded: LoadedModel, streams: int, seconds: float) -> float:
     return tokens / (time.perf_counter() - started)
 
 
+# What each row loads: the offered modes by their flag; the rest built by hand, to show why they
+# are not offered (or not the default).
+VARIANTS = (
+    "none",
+    "auto (default: int4, the GGUF's groups)",
+    "int8",
+    "int4 re-quantized (no GGUF groups)",
+    "int4 with an int4 head (not offered)",
+    "fbgemm-dynamic (not offered)",
+)
+
+
+def _load_variant(folder: Path, variant: str) -> LoadedModel:
+    flag = variant.split(" ", 1)[0]
+    if flag in ("none", "auto", "int8"):
+        return load_model(str(folder), Path("/nonexistent"), "cpu", "auto", 1024, "native", flag)  # type: ignore[arg-type]
+    loaded = load_model(str(folder), Path("/nonexistent"), "cpu", "auto", 1024, "native", "none")
+    model = loaded.model
+    assert isinstance(model, NativeCausalLM)
+    if flag == "fbgemm-dynamic":
+        quantize(model, "int8")
+        _fbgemm_dynamic(model)
+    elif variant.startswith("int4 re-quantized"):
+        quantize(model, "int4", groups={})  # what a safetensors checkpoint (no GGUF) gets
+    else:
+        quantize(model, "int4", groups=load_groups(folder))
+        head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.head = Int4Linear(head, None, model.dtype)
+    return loaded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
     parser.add_argument("--seconds", type=float, default=8.0, help="decode time per speed point")
+    parser.add_argument("--threads", type=int, default=available_cores(),
+                        help="torch threads (default: the cores available, as one worker uses them)")  # fmt: skip
     args = parser.parse_args()
-    torch.set_num_threads(1)  # as a worker runs (worker/engine_thread.py)
+    torch.set_num_threads(args.threads)
     folder = default_model_dir()
     rows = []
     reference: list[list[int]] | None = None
-    for mode in ("none", "int8", "int4", "fbgemm-dynamic (not offered)"):
-        rejected = mode.startswith("fbgemm")
-        packing = "int8" if rejected else mode
-        loaded = load_model(str(folder), Path("/nonexistent"), "cpu", "auto", 1024, "native", packing)
-        if rejected:
-            assert isinstance(loaded.model, NativeCausalLM)
-            _fbgemm_dynamic(loaded.model)
+    for mode in VARIANTS:
+        loaded = _load_variant(folder, mode)
         dtype = str(loaded.model.dtype).removeprefix("torch.")
         outputs = greedy(loaded, PROMPTS, args.tokens)
         if reference is None:
@@ -188,7 +218,7 @@ def main() -> None:
         }
         rows.append(row)
         del loaded
-    columns = [("quantization", "{:>28}"), ("dtype", "{:>9}"), ("perplexity", "{:>10.3f}"),
+    columns = [("quantization", "{:>40}"), ("dtype", "{:>9}"), ("perplexity", "{:>10.3f}"),
                ("greedy_identical", "{:>16.0%}"), ("greedy_prefix_share", "{:>19.0%}"),
                ("decode_tok_s_1", "{:>14.1f}"), ("decode_tok_s_32", "{:>15.1f}")]  # fmt: skip
     widths = [len(fmt.format(rows[0][name])) for name, fmt in columns]
@@ -198,7 +228,8 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")  # fmt: skip
-    RESULTS.write_text(json.dumps({"model": folder.name, "cpu": cpu, "tokens": args.tokens, "rows": rows}, indent=2))
+    RESULTS.write_text(json.dumps({"model": folder.name, "cpu": cpu, "threads": args.threads, "tokens": args.tokens,
+                                   "rows": rows}, indent=2))  # fmt: skip
     print(f"wrote {RESULTS}")
 
 

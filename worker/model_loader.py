@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from worker.engine.model_config import text_config
 from worker.named_models import NAMED_MODELS, NamedModelError, assemble_gguf
+from worker.native.gguf_groups import GROUPS_FILE, extract_int4_groups, load_groups, save_groups
 from worker.native.loader import load_native
 from worker.native.quantize import PACKED_MAX_ROWS, Quantization, quantize
 from worker.native.spec import UnsupportedCheckpoint, read_decoder_spec, read_eos_token_ids
@@ -118,33 +119,86 @@ def ensure_named_model(name: str, cache_dir: Path) -> Path:
 
 def _ensure_converted(name: str, cache_dir: Path, locate_gguf: Callable[[], Path]) -> Path:
     target = cache_dir / "models" / name
-    done_marker = target / ".converted"
-    if done_marker.exists():
+    done_marker, groups_marker = target / ".converted", target / ".int4-groups"
+    if done_marker.exists() and groups_marker.exists():
         return target
     with _exclusive(cache_dir / "models" / f".{name}.lock"):
-        if done_marker.exists():
-            return target
-        gguf = locate_gguf()
-        logger.info("converting %s into %s (one time)", gguf.name, target)
-        started = time.monotonic()
-        staging = target.with_name(target.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        logger.info("[1/3] tokenizer read; dequantizing the weights (transformers shows progress)")
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        if getattr(model, "hf_quantizer", None) is not None:
-            # A GGUF-loaded model carries a quantization config that save_pretrained refuses.
-            model.hf_quantizer.remove_quantization_config(model)
-        logger.info("[2/3] weights dequantized; writing safetensors")
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-        done_marker.touch()
-        logger.info("[3/3] converted in %.1f s", time.monotonic() - started)
+        gguf_path = locate_gguf()
+        with gguf_parsed_once(gguf_path):
+            if not done_marker.exists():
+                _convert(target, gguf_path)
+            if not groups_marker.exists():
+                _keep_int4_groups(target, gguf_path)
     return target
+
+
+@contextlib.contextmanager
+def gguf_parsed_once(path: Path) -> Iterator[None]:
+    """While converting, every ``gguf.GGUFReader`` of ``path`` is one reader. transformers parses
+    the file's metadata anew for the config, the tokenizer and the weights, and the group
+    extraction reads it once more: ~10 s a parse for a 150k-token vocabulary on 2 cores, half of
+    a Qwen2.5 conversion. The reader is read-only (a memory map and parsed fields), so sharing
+    it changes nothing else."""
+    import gguf
+
+    original = gguf.GGUFReader
+    target = path.resolve()
+    shared: list[Any] = []
+
+    def reader(file: str | Path, mode: str = "r") -> Any:
+        if mode != "r" or Path(file).resolve() != target:
+            return original(file, mode)  # type: ignore[arg-type]
+        if not shared:
+            shared.append(original(file, mode))  # type: ignore[arg-type]
+        return shared[0]
+
+    gguf.GGUFReader = reader  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original  # type: ignore[misc]
+
+
+def _keep_int4_groups(target: Path, gguf: Path) -> None:
+    """The GGUF's 4-bit groups beside the converted weights (``worker/native/gguf_groups.py``);
+    also run for a folder converted before they were kept."""
+    from safetensors.torch import load_file
+
+    checkpoint: dict[str, torch.Tensor] = {}
+    for path in sorted(target.glob("*.safetensors")):
+        if path.name != GROUPS_FILE:
+            checkpoint.update(load_file(str(path)))
+    groups = extract_int4_groups(gguf, checkpoint)
+    if groups:
+        staging = target / (GROUPS_FILE + ".partial")
+        save_groups(groups, staging)
+        staging.rename(target / GROUPS_FILE)
+    logger.info("kept the GGUF's 4-bit groups of %d of %d weights", len(groups), len(checkpoint))
+    (target / ".int4-groups").touch()
+
+
+def _convert(target: Path, gguf: Path) -> None:
+    """The GGUF dequantized by transformers into a safetensors folder (float32, so the 4-bit
+    groups can be checked against it bit for bit)."""
+    logger.info("converting %s into %s (one time)", gguf.name, target)
+    started = time.monotonic()
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    logger.info("[1/3] tokenizer read; dequantizing the weights (transformers shows progress)")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:
+        # A GGUF-loaded model carries a quantization config that save_pretrained refuses.
+        model.hf_quantizer.remove_quantization_config(model)
+    logger.info("[2/3] weights dequantized; writing safetensors")
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    (target / ".converted").touch()
+    logger.info("[3/3] converted in %.1f s", time.monotonic() - started)
 
 
 def resolve_source(model: str, cache_dir: Path) -> str:
@@ -198,7 +252,7 @@ def _load_transformers_model(source: str, dtype: torch.dtype, device: torch.devi
 
 
 def _load_forward(
-    source: str, model_impl: str, dtype: torch.dtype, device: torch.device, quantization: Quantization = "none"
+    source: str, model_impl: str, dtype: torch.dtype, device: torch.device, quantization: Quantization = "auto"
 ) -> tuple[torch.nn.Module, object]:
     if model_impl != "transformers":
         try:
@@ -207,20 +261,24 @@ def _load_forward(
         except UnsupportedCheckpoint as exc:
             if model_impl == "native":
                 raise ModelLoadError(f"--model-impl native cannot serve {source}: {exc}") from exc
-            if quantization != "none":
+            if quantization not in ("none", "auto"):
                 message = f"--quantization {quantization} needs the native forward, which cannot serve {source}: {exc}"
                 raise ModelLoadError(message) from exc
             logger.info("native forward does not apply (%s); using transformers", exc)
         else:
             logger.info("native forward: %s, %d layers", spec.model_type, spec.num_hidden_layers)
+            # Only the int4 modes read them (a file of ~40 % of the weights' own size).
+            groups = load_groups(Path(source)) if quantization in ("auto", "int4") else {}
             try:
-                quantize(forward, quantization)
+                applied = quantize(forward, quantization, groups)
             except ValueError as exc:
                 raise ModelLoadError(str(exc)) from exc
-            if quantization != "none":
-                logger.info("weights quantized: %s copies for matmuls of up to %d rows", quantization, PACKED_MAX_ROWS)
+            if applied != "none":
+                exact = f", {len(groups)} weights as the GGUF's 4-bit groups" if groups and applied == "int4" else ""
+                logger.info("weights quantized: %s copies for matmuls of up to %d rows, int8 head%s "
+                            "(--quantization %s)", applied, PACKED_MAX_ROWS, exact, quantization)  # fmt: skip
             return forward, read_eos_token_ids(Path(source))
-    elif quantization != "none":
+    elif quantization not in ("none", "auto"):
         raise ModelLoadError(f"--quantization {quantization} needs the native forward, not --model-impl transformers")
     return _load_transformers_model(source, dtype, device)
 
@@ -232,7 +290,7 @@ def load_model(
     dtype: str,
     max_model_len: int | None,
     model_impl: str = "auto",
-    quantization: Quantization = "none",
+    quantization: Quantization = "auto",
 ) -> LoadedModel:
     source = resolve_source(model, cache_dir)
     torch_device = resolve_device(device)

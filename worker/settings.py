@@ -46,11 +46,14 @@ class WorkerSettings(CommonSettings):
             "transformers, or auto (native where it applies)."
         ),
     )
-    quantization: Literal["none", "int8", "int4"] = Field(
-        default="none",
+    quantization: Literal["auto", "none", "int8", "int4"] = Field(
+        default="auto",
         description=(
-            "Small decode batches (up to 4 rows) read int8 or int4 (groups of 32) copies of the native "
-            "forward's matmul weights (CPU): faster single streams, more weight memory, some quality cost."
+            "Small decode batches (up to 4 rows) read packed low-bit copies of the native forward's matmul "
+            "weights (CPU; faster single streams, more weight memory): int8 per channel, or int4 in groups of 32 "
+            "(a 4-bit GGUF's own groups where the model came from one, else quantized at load), with an int8 "
+            "head. auto: int4 where the model carries a 4-bit GGUF's groups (the default model does), none "
+            "elsewhere; none: the serving dtype only."
         ),
     )
     max_model_len: int | None = Field(

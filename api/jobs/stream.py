@@ -285,9 +285,18 @@ class JobStream:
             return
         if time.monotonic() - self._silent_since < self._services.settings.no_worker_grace_s:
             return
-        message = f"No live worker serves model `{record.model}` any more; the request could not finish."
-        ended = await self._services.lifecycle.end(
-            self.job_id, JobState.FAILED, ErrorKind.NO_LIVE_WORKER, message, param="model"
-        )
+        if record.attempts:
+            # It ran and went back to its queue: its worker died (the reaper may requeue it before
+            # this stream notices) or handed it back while stopping. For the client, as in
+            # _check_owner, the worker serving it was lost.
+            kind = ErrorKind.WORKER_LOST
+            message = (
+                f"the worker serving job {self.job_id} stopped before it finished, and no live worker serves "
+                f"model `{record.model}` any more"
+            )
+        else:
+            kind = ErrorKind.NO_LIVE_WORKER
+            message = f"No live worker serves model `{record.model}` any more; the request could not finish."
+        ended = await self._services.lifecycle.end(self.job_id, JobState.FAILED, kind, message, param="model")
         if not ended:
             self._silent_since = time.monotonic()

@@ -18,7 +18,7 @@ from api.metrics import Metrics
 from api.request_metrics import RequestObserver
 from api.settings import ApiSettings
 from shared.errors import ErrorKind, RelayError
-from shared.events import AnyEvent, DeltaEvent, EndEvent, StartEvent, UsageCounts, encode_event
+from shared.events import AnyEvent, DeltaEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts, encode_event
 from shared.job_lifecycle import AppendRequest, EventAppender, JobLifecycle, JobState
 from shared.jobs import ChatJob
 from shared.openai.chat_request import ChatCompletionRequest
@@ -34,8 +34,11 @@ async def _stream(
     backlog: list[AnyEvent] | None = None,
     next_seq: int = 0,
     liveness_check_interval_s: float = 30.0,
+    no_worker_grace_s: float = 30.0,
+    requeued: bool = False,
 ) -> JobStream:
-    """A running job whose worker wrote ``logged`` and whose channel brought ``live``."""
+    """A running job whose worker wrote ``logged`` and whose channel brought ``live``; with
+    ``requeued``, then put back in its queue as the reaper does when that worker dies."""
     redis = Redis.from_url(redis_url)
     keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
     lifecycle = JobLifecycle(redis, keys)
@@ -46,13 +49,15 @@ async def _stream(
         appender = EventAppender(sync_redis.Redis.from_url(redis_url), keys)
         final = JobState.FINISHED if isinstance(logged[-1], EndEvent) else None
         appender.append([AppendRequest(JOB_ID, claim.epoch, [(e.seq, encode_event(e)) for e in logged], final)])
+    if requeued:
+        assert await lifecycle.requeue(JOB_ID, claim.epoch)
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     for item in live:
         queue.put_nowait(item if isinstance(item, bytes) else encode_event(item))
     request = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
     job = ChatJob(job_id=JOB_ID, created=1, request=request)
     observer = RequestObserver(Metrics(), "m", arrived_at=0.0)
-    settings = ApiSettings(liveness_check_interval_s=liveness_check_interval_s, no_worker_grace_s=30.0)
+    settings = ApiSettings(liveness_check_interval_s=liveness_check_interval_s, no_worker_grace_s=no_worker_grace_s)
     services = StreamServices(lifecycle, EventRouter(redis, keys), WorkerDirectory(redis, keys), settings)
     return JobStream(services, job, queue, None, observer, backlog, next_seq)
 
@@ -98,3 +103,15 @@ async def test_bytes_that_are_not_an_event_end_the_stream_with_an_error(redis_ur
     with pytest.raises(RelayError) as raised:
         await stream.next_event()
     assert raised.value.kind is ErrorKind.EVENT_UNREADABLE
+
+
+async def test_a_job_requeued_from_its_dead_worker_with_none_left_ends_as_worker_lost(redis_url: str) -> None:
+    # The reaper got to the dead worker's job before the stream did: the job is queued again, no
+    # worker is live. The client hears what happened to its stream (worker_lost), not that the
+    # model was never served (no_live_worker, the code for a job that never ran).
+    stream = await _stream(redis_url, [START, DELTA_1], [START, DELTA_1], None, 0, 0.1, 0.1, requeued=True)
+    async with asyncio.timeout(5):
+        events = [event async for event in stream.events()]
+    assert events[:2] == [START, DELTA_1]
+    assert isinstance(events[-1], ErrorEvent) and events[-1].kind is ErrorKind.WORKER_LOST
+    assert "stopped before it finished" in events[-1].message

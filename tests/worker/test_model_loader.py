@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from tests.support.models import default_model_dir, tiny_random_llama_dir
 from tests.support.qwen import qwen3_tokenizer_dir
 from worker.engine.kv_cache import KVCacheLayout, SlotKVCache
-from worker.model_loader import load_tokenizer
+from worker.model_loader import gguf_parsed_once, load_tokenizer, locate_default_gguf
 
 TEXTS = [
     "Hello, world! What's the capital of France?",
@@ -72,3 +72,18 @@ def test_a_new_cpu_kv_cache_is_zeros_and_each_layer_is_its_own_memory() -> None:
         for i, tensor in enumerate(tensors):
             tensor.fill_(i + 1)
         assert [int(t[0, 0, 0, 0]) for t in tensors] == list(range(1, len(tensors) + 1))
+
+
+def test_a_conversion_parses_its_gguf_once_and_other_files_as_usual(tmp_path: Path) -> None:
+    import gguf
+
+    original = gguf.GGUFReader
+    source = locate_default_gguf()
+    other = tmp_path / "other.gguf"
+    other.write_bytes(source.read_bytes())
+    with gguf_parsed_once(source):
+        first = gguf.GGUFReader(str(source))
+        assert gguf.GGUFReader(source) is first  # transformers' config, tokenizer and weights reads
+        second = gguf.GGUFReader(str(other))
+        assert second is not first and len(second.tensors) == len(first.tensors) > 0
+    assert gguf.GGUFReader is original

@@ -25,7 +25,7 @@ from worker.engine.kv_cache import KVCacheLayout, SlotKVCache
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import PrefillChunk
 from worker.model_loader import ModelLoadError, load_model
-from worker.native.decoder import NativeCausalLM
+from worker.native.decoder import NativeCausalLM, RMSNorm
 from worker.native.loader import load_native
 from worker.native.spec import UnsupportedCheckpoint, read_decoder_spec
 
@@ -178,3 +178,15 @@ def test_eos_ids_are_the_generation_configs_and_the_tokenizers(checkpoint: Path)
     assert isinstance(loaded.model, NativeCausalLM)
     assert loaded.eos_token_ids == {7, 9, loaded.tokenizer.eos_token_id}
     assert loaded.max_model_len == SHAPE["max_position_embeddings"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_bit_identical_to_transformers_formula(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight = torch.nn.Parameter(torch.rand(96).to(dtype) + 0.5)
+    for shape in [(1, 1, 96), (3, 7, 96), (2, 5, 4, 96)]:
+        hidden = (torch.randn(shape) * 3).to(dtype)
+        as_float = hidden.float()
+        reference = norm.weight * (as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        assert torch.equal(norm(hidden), reference)

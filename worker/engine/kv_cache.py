@@ -82,6 +82,7 @@ class SlotKVCache:
         self._write_positions: torch.Tensor | None = None
         self._read_rows: torch.Tensor | slice = slice(0, 0)
         self._kv_len = 0
+        self._single_position: int | None = None  # a one-row decode step's position
 
     @property
     def num_bytes(self) -> int:
@@ -94,6 +95,8 @@ class SlotKVCache:
         self._write_positions = positions[:, None]
         self._read_rows = slice(0, num_rows)
         self._kv_len = kv_len
+        # One row (one stream): a plain indexed copy, ~4x cheaper than the scattered write below.
+        self._single_position = int(positions[0]) if num_rows == 1 else None
 
     def begin_prefill(
         self, slots: torch.Tensor, write_slots: torch.Tensor, write_positions: torch.Tensor, kv_len: int
@@ -105,15 +108,20 @@ class SlotKVCache:
         is_contiguous = bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all())
         self._read_rows = slice(first, first + len(slots)) if is_contiguous else slots
         self._kv_len = kv_len
+        self._single_position = None
 
     # -- the transformers Cache protocol ------------------------------------------------------
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        # [rows, heads, q, dim] → index [rows, q] picks [rows, q, heads, dim]
-        keys[self._write_slots, :, self._write_positions] = key_states.transpose(1, 2)
-        values[self._write_slots, :, self._write_positions] = value_states.transpose(1, 2)
+        if self._single_position is not None:
+            keys[0, :, self._single_position] = key_states[0, :, 0]
+            values[0, :, self._single_position] = value_states[0, :, 0]
+        else:
+            # [rows, heads, q, dim] → index [rows, q] picks [rows, q, heads, dim]
+            keys[self._write_slots, :, self._write_positions] = key_states.transpose(1, 2)
+            values[self._write_slots, :, self._write_positions] = value_states.transpose(1, 2)
         return keys[self._read_rows, :, : self._kv_len], values[self._read_rows, :, : self._kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

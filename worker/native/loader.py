@@ -28,5 +28,6 @@ def load_native(spec: DecoderSpec, dtype: torch.dtype, device: torch.device) -> 
     if missing:
         raise UnsupportedCheckpoint(f"the checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
     model.load_state_dict(state, assign=True, strict=True)
+    model.join_projections()
     model.set_rope(device)
     return model.eval().requires_grad_(False)

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.native.decoder import Linear, NativeCausalLM
+from worker.native.decoder import JoinedLinear, Linear, NativeCausalLM
+from worker.native.gguf_groups import GROUP_SIZE, Int4Groups
 
-Quantization = Literal["none", "int8", "int4"]
-INT4_GROUP = 32
+Quantization = Literal["auto", "none", "int8", "int4"]
 # The crossover bench/packed_matmul_bench.py measures on SmolLM2's shapes: at 4 rows the packed
 # kernels still win, at 8 they lose.
 PACKED_MAX_ROWS = 4
@@ -67,42 +67,78 @@ class Int8Linear(_SmallBatchLinear):
 
 
 class Int4Linear(_SmallBatchLinear):
-    """4-bit values in groups of ``INT4_GROUP`` inputs, each group with its own scale and minimum
-    (llama.cpp's Q4_1 scheme), packed for torch's CPU kernel (``aten._weight_int4pack_mm_for_cpu``)."""
+    """4-bit values in groups of ``GROUP_SIZE`` inputs, each group with its own scale and minimum
+    (llama.cpp's Q4_1 scheme), packed for torch's CPU kernel (``aten._weight_int4pack_mm_for_cpu``).
+    ``groups`` are a 4-bit GGUF's own (exact); without them the weight is quantized here."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, groups: Int4Groups | None = None
+    ) -> None:
         super().__init__(weight, bias, dtype)
-        out_features, in_features = weight.shape
-        if in_features % INT4_GROUP:
-            raise ValueError(f"int4 needs input widths that are multiples of {INT4_GROUP}, not {in_features}")
-        groups = weight.detach().float().reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scales = ((high - low) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
-        values = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-        self.packed = nn.Buffer(
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.reshape(out_features, in_features), 1)
-        )
-        # The kernel computes (q - 8) * scale + zero: zero = low + 8 * scale gives q * scale + low.
-        zeros = low + 8 * scales
-        self.scales_and_zeros = nn.Buffer(torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype))
+        in_features = weight.shape[1]
+        if in_features % GROUP_SIZE:
+            raise ValueError(f"int4 needs input widths that are multiples of {GROUP_SIZE}, not {in_features}")
+        groups = groups or quantize_int4_groups(weight)
+        self.packed = nn.Buffer(torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.values.to(torch.int32), 1))
+        # The kernel computes (q - 8) * scale + zero: zero = min + 8 * scale gives q * scale + min.
+        zeros = groups.group_min + 8 * groups.group_scale
+        scales_and_zeros = torch.stack([groups.group_scale, zeros], dim=-1).transpose(0, 1)
+        self.scales_and_zeros = nn.Buffer(scales_and_zeros.contiguous().to(dtype))
 
     def _packed_mm(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
 
-def quantize(model: NativeCausalLM, mode: Quantization) -> NativeCausalLM:
-    """Replace the decoder's matmuls in place (no-op for ``none``); returns the model."""
-    if mode == "none":
-        return model
+def quantize_int4_groups(weight: torch.Tensor) -> Int4Groups:
+    """Each group of ``GROUP_SIZE`` inputs on 16 levels from its minimum to its maximum."""
+    out_features, in_features = weight.shape
+    grouped = weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scales = ((high - low) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
+    values = torch.round((grouped - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return Int4Groups(values.reshape(out_features, in_features), scales, low)
+
+
+def _checkpoint_groups(groups: dict[str, Int4Groups], parent: str, name: str, linear: Linear) -> Int4Groups | None:
+    """The checkpoint's own groups of one matmul, joined in row order for a ``JoinedLinear``."""
+    names = linear.part_names if isinstance(linear, JoinedLinear) else (name,)
+    found = [groups[key] for key in (f"{parent}.{part}.weight" for part in names) if key in groups]
+    return Int4Groups.joined(found) if len(found) == len(names) else None
+
+
+def resolve_mode(mode: Quantization, model: NativeCausalLM, groups: dict[str, Int4Groups]) -> Quantization:
+    """``auto``: ``int4`` on the CPU when the checkpoint carries a 4-bit GGUF's own groups, else ``none``."""
+    if mode != "auto":
+        return mode
+    return "int4" if model.device.type == "cpu" and groups else "none"
+
+
+def quantize(model: NativeCausalLM, mode: Quantization, groups: dict[str, Int4Groups] | None = None) -> Quantization:
+    """Replace the decoder's matmuls in place; returns the mode applied (``auto`` resolved).
+
+    ``groups`` are the checkpoint's own 4-bit groups by weight name (``worker/native/gguf_groups.py``):
+    ``int4`` packs those exactly and quantizes the rest, ``auto`` packs those and leaves the rest in
+    the serving dtype. The head (tied embedding or ``lm_head``) is int8 under both int4 modes: at
+    int4 it cost most of the quality (``bench/quantization_bench.py`` measures it), at int8 about
+    the speed of int4 with two threads."""
+    groups = groups or {}
+    applied = resolve_mode(mode, model, groups)
+    if applied == "none":
+        return applied
     if model.device.type != "cpu":
         raise ValueError(f"--quantization {mode} runs on the CPU only; this model is on {model.device}")
     dtype = model.dtype
-    kind = Int8Linear if mode == "int8" else Int4Linear
-    for parent in list(model.model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Linear):
-                setattr(parent, name, kind(child.weight, child.bias, dtype))
+    for module_name, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            if not isinstance(child, Linear) or child is model.lm_head:
+                continue
+            if applied == "int8":
+                setattr(module, name, Int8Linear(child.weight, child.bias, dtype))
+                continue
+            exact = _checkpoint_groups(groups, module_name, name, child)
+            if exact is not None or mode == "int4":
+                setattr(module, name, Int4Linear(child.weight, child.bias, dtype, exact))
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.head = kind(head, None, dtype)
+    model.head = Int8Linear(head, None, dtype)
     model.lm_head = None  # the head module replaces it; a tied embedding keeps its own rows for lookups
-    return model
+    return applied

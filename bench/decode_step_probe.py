@@ -1,0 +1,75 @@
+"""Where one stream's decode step goes: the default model's forward for one row, timed over
+``steps`` steps after a warm-up, then profiled by torch's profiler (the ten costliest ops).
+
+    python -m bench.decode_step_probe [--threads 1,2] [--quantization auto] [--steps 200]
+
+No sampling, engine loop, API or Redis: this is the floor a single stream's step sits on. The
+difference between one and two threads shows how much of the step does not parallelise (the
+per-call cost of many small torch ops and Python). Prints a table; writes
+bench/results/decode_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.quantization_bench import _Chunk
+from tests.support.models import default_model_dir
+from worker.engine.kv_cache import KVCacheLayout, SlotKVCache
+from worker.engine.model_runner import ModelRunner
+from worker.engine.scheduler import PrefillChunk
+from worker.model_loader import load_model
+
+RESULTS = Path(__file__).parent / "results" / "decode_step.json"
+WARMUP_STEPS = 50
+
+
+def step_ms(runner: ModelRunner, start: int, steps: int) -> float:
+    began = time.perf_counter()
+    for position in range(start, start + steps):
+        runner.decode([5], [position])
+    return (time.perf_counter() - began) / steps * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    loaded = load_model(str(default_model_dir()), Path("/nonexistent"), "cpu", "auto", 1024, "native",
+                        args.quantization)  # fmt: skip
+    layout = KVCacheLayout.from_config(loaded.model.config, loaded.model.dtype, torch.device("cpu"))
+    rows = []
+    with torch.inference_mode():
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            runner = ModelRunner(loaded.model, SlotKVCache(layout, 1, 1024))
+            runner.prefill([PrefillChunk(_Chunk([1]), 0, 1)])  # type: ignore[arg-type]
+            step_ms(runner, 1, WARMUP_STEPS)
+            timed = step_ms(runner, 1 + WARMUP_STEPS, args.steps)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step_ms(runner, 1 + WARMUP_STEPS + args.steps, 50)
+            ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+            top = {op.key: {"calls_per_step": op.count / 50, "ms_per_step": op.self_cpu_time_total / 50 / 1000}
+                   for op in ops}  # fmt: skip
+            rows.append({"threads": threads, "step_ms": timed, "top_ops": top})
+            print(f"threads {threads}: {timed:.2f} ms per one-row decode step ({1000 / timed:.1f} steps/s)")
+            for name, cost in top.items():
+                print(f"    {name:<52} {cost['calls_per_step']:>6.0f} calls {cost['ms_per_step']:>7.3f} ms")
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown")  # fmt: skip
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    summary = {"cpu": cpu, "dtype": str(loaded.model.dtype), "quantization": args.quantization, "rows": rows}
+    RESULTS.write_text(json.dumps(summary, indent=2))
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
