@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -46,6 +47,17 @@ logger = logging.getLogger("relaylm.api")
 
 # Liveness must answer without a key (load balancers and orchestrators probe it).
 PUBLIC_PATHS = ("/health",)
+# Longest one shutdown step may take before the process goes on without it.
+_SHUTDOWN_STEP_S = 5.0
+
+
+async def _bounded_step(name: str, step: Awaitable[None]) -> None:
+    try:
+        await asyncio.wait_for(step, _SHUTDOWN_STEP_S)
+    except TimeoutError:
+        logger.warning("shutdown: %s took over %.0f s; going on without it", name, _SHUTDOWN_STEP_S)
+    except Exception:
+        logger.exception("shutdown: %s failed; going on", name)
 
 
 def create_app(settings: ApiSettings) -> FastAPI:
@@ -75,9 +87,11 @@ def create_app(settings: ApiSettings) -> FastAPI:
         try:
             yield
         finally:
-            await runner.stop()
-            await router.stop()
-            await redis.aclose()
+            # uvicorn waits for the lifespan's end without a limit: each step gets one, so a
+            # SIGTERM always ends the process even if a Redis socket will not close.
+            await _bounded_step("batch runner stop", runner.stop())
+            await _bounded_step("event router stop", router.stop())
+            await _bounded_step("Redis close", redis.aclose())
 
     app = FastAPI(
         title="relaylm",
