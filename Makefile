@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint format bench bench-hop bench-load bench-scaling bench-batch bench-quant llama-server clean venv
+.PHONY: serve test lint format bench bench-hop bench-load bench-scaling bench-batch bench-quant bench-kv llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -59,6 +59,10 @@ bench-batch: $(BENCH_INSTALLED)
 ## Scaling and failover (~3 min): one worker vs two, a new worker taking load, SIGKILL failover.
 bench-scaling: $(BENCH_INSTALLED)
 	$(PY) -m bench.scaling_bench $(ARGS)
+
+## The KV cache held by tokens against full-length slots (~3 min): 32 streams in-process, alternated; bench/results/kv_layout.json.
+bench-kv: $(BENCH_INSTALLED)
+	$(PY) -m bench.kv_layout_bench $(ARGS)
 
 ## What --quantization int8/int4 cost and give (~4 min): perplexity, greedy agreement, tok/s; bench/results/quantization.json.
 bench-quant: $(BENCH_INSTALLED)

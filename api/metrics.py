@@ -76,7 +76,7 @@ class Metrics:
             "relaylm:num_requests_waiting", "Sequences waiting in the engine", worker_labels, registry=r
         )
         self.kv_usage = Gauge(
-            "relaylm:kv_cache_usage_perc", "Share of KV slots in use (0-1)", worker_labels, registry=r
+            "relaylm:kv_cache_usage_perc", "Share of the KV budget's blocks held (0-1)", worker_labels, registry=r
         )
         self.prefix_hit_rate = Gauge(
             "relaylm:prefix_cache_hit_rate",
@@ -104,9 +104,7 @@ class Metrics:
                 labels = (record.model, worker.worker_id)
                 self.running.labels(*labels).set(worker.num_running)
                 self.waiting.labels(*labels).set(worker.num_waiting)
-                self.kv_usage.labels(*labels).set(
-                    worker.num_running / worker.max_num_seqs if worker.max_num_seqs else 0
-                )
+                self.kv_usage.labels(*labels).set(worker.kv_cache_usage)
                 self.prefix_hit_rate.labels(*labels).set(worker.prefix_cache_hit_rate)
 
     def render(self) -> bytes:

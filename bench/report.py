@@ -19,6 +19,7 @@ def build_report(
     summaries: list[RunSummary],
     hop: dict[str, float | None],
     prefix: dict[str, float | None],
+    kv_layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     def find(mode: str, concurrency: int) -> RunSummary | None:
         return next((s for s in summaries if s.mode.startswith(mode) and s.concurrency == concurrency), None)
@@ -36,6 +37,8 @@ def build_report(
     if stack32 and peer32:
         targets["tok_s_32_stack_over_llama_server"] = stack32.tok_s / peer32.tok_s
     targets.update({"queue_hop_p50_ms": hop["hop_p50_ms"], "queue_hop_p99_ms": hop["hop_p99_ms"]})
+    if kv_layout:
+        targets["kv_held_by_tokens_over_slots_at_32"] = kv_layout["ratio_of_medians"]
     return {
         "command": "python -m bench.serving_bench "
         + " ".join(
@@ -53,6 +56,7 @@ def build_report(
         "runs": [s.to_dict() for s in summaries],
         "queue_hop": hop,
         "prefix_cache": prefix,
+        "kv_layout": kv_layout,
         "targets": targets,
     }
 
@@ -82,6 +86,20 @@ def render_table(report: dict[str, Any]) -> str:
         f"prefix cache ({_fmt(prefix['system_prompt_tokens'], 0)}-token shared system prompt): hit rate "
         f"{_fmt((prefix['hit_rate'] or 0) * 100)}%, TTFT p50 {_fmt(prefix['ttft_p50_ms_cache_off'])} ms off → "
         f"{_fmt(prefix['ttft_p50_ms_cache_on'])} ms on",
+        *_kv_layout_line(report.get("kv_layout")),
         "targets: " + ", ".join(f"{k} = {_fmt(v, 2)}" for k, v in targets.items()),
     ]
     return "\n".join(lines)
+
+
+def _kv_layout_line(kv_layout: dict[str, Any] | None) -> list[str]:
+    if not kv_layout:
+        return []
+    runs = ", ".join(
+        f"{a:.1f}/{b:.1f}"
+        for a, b in zip(kv_layout["tok_s_held_by_tokens"], kv_layout["tok_s_full_length_slots"], strict=True)
+    )
+    return [
+        f"KV held by tokens vs full-length slots, in-process at {kv_layout['streams']} streams (tok/s, alternated: "
+        f"{runs}): {kv_layout['ratio_of_medians']:.3f}x"
+    ]

@@ -1,6 +1,7 @@
 """Serving benchmark: (a) serial HF generate, (b) the engine in-process, (c) the full stack over
 HTTP, on the same model and dtype, and (d) llama.cpp's llama-server on the same GGUF when one is
-found (``make llama-server`` builds it); plus queue-hop TTFT and a prefix-cache scenario.
+found (``make llama-server`` builds it); plus queue-hop TTFT, a prefix-cache scenario, and (b)
+at 32 streams with the KV cache held by tokens against full-length slots.
 
     python -m bench.serving_bench            # what `make bench` runs
     python -m bench.serving_bench --concurrency 1,8 --output-tokens 32   # a quick look
@@ -15,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -110,6 +112,32 @@ def prefix_scenario(loaded: Any, args: argparse.Namespace) -> dict[str, float | 
     return result
 
 
+def kv_layout_scenario(loaded: Any, args: argparse.Namespace, texts: list[str], streams: int = 32) -> dict[str, Any]:
+    """(b) at ``streams`` clients with the KV cache held by tokens (the default) and split into
+    full-length slots (as before), the same requests alternated three times each so that machine
+    noise hits both alike; the ratio is of the medians."""
+    tok_s: dict[str, list[float]] = {"tokens": [], "slots": []}
+    base = engine_config(args, streams).__dict__
+    engines = {label: InProcessEngine(loaded, EngineConfig(**{**base, "kv_held_by_tokens": label == "tokens"}))
+               for label in tok_s}  # fmt: skip
+    bodies = bodies_for(texts[:streams], args.output_tokens)
+    for engine in engines.values():
+        engine.run(bodies_for(texts[:1], 8))  # warm-up
+    for _ in range(3):
+        for label, engine in engines.items():
+            tok_s[label].append(summarize(label, streams, engine.run(bodies)).tok_s)
+    for engine in engines.values():
+        engine.close()
+    medians = {label: statistics.median(values) for label, values in tok_s.items()}
+    print(f"  KV held by tokens vs full-length slots at {streams} streams: {medians}", flush=True)
+    return {
+        "streams": streams,
+        "tok_s_held_by_tokens": tok_s["tokens"],
+        "tok_s_full_length_slots": tok_s["slots"],
+        "ratio_of_medians": medians["tokens"] / medians["slots"],
+    }
+
+
 @contextlib.contextmanager
 def running_stack(args: argparse.Namespace, dtype: str, max_num_seqs: int) -> Iterator[str]:
     """Redis, the API and one worker (same model, dtype and engine settings) as real processes."""
@@ -196,7 +224,8 @@ def main() -> None:
     engine.close()
     summaries += peer_sweep(args, concurrencies, texts)
     prefix = prefix_scenario(loaded, args)
-    report = build_report(args, dtype, str(loaded.model.device), summaries, queue_hop(pairs), prefix)
+    kv_layout = kv_layout_scenario(loaded, args, texts)
+    report = build_report(args, dtype, str(loaded.model.device), summaries, queue_hop(pairs), prefix, kv_layout)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     plot_results(report, args.out.with_suffix(".png"))

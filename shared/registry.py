@@ -29,6 +29,7 @@ class WorkerInfo(BaseModel):
     num_running: int = Field(default=0, description="Sequences in the running batch.")
     num_waiting: int = Field(default=0, description="Sequences admitted to the engine but not yet running.")
     prefix_cache_hit_rate: float = Field(default=0.0, description="Prompt tokens served from the prefix cache.")
+    kv_cache_usage: float = Field(default=0.0, description="Share of the KV budget's blocks held (0-1).")
 
 
 class ModelRecord(BaseModel):

@@ -18,7 +18,8 @@ from shared.registry import ModelRecord, WorkerInfo, WorkerState, WorkerTask
 
 logger = logging.getLogger(__name__)
 
-LoadProbe = Callable[[], tuple[int, int, float]]
+# Running and waiting sequences, prefix-cache hit rate, share of the KV budget held.
+LoadProbe = Callable[[], tuple[int, int, float, float]]
 
 
 class WorkerRegistration:
@@ -39,7 +40,7 @@ class WorkerRegistration:
             started_at=time.time(),
             heartbeat_at=time.time(),
         )
-        self._load_probe: LoadProbe = lambda: (0, 0, 0.0)
+        self._load_probe: LoadProbe = lambda: (0, 0, 0.0, 0.0)
         self._task: asyncio.Task[None] | None = None
 
     def set_ready(self, max_num_seqs: int, max_model_len: int, load_probe: LoadProbe) -> None:
@@ -69,7 +70,7 @@ class WorkerRegistration:
         now = time.time()
         info = self.info
         info.heartbeat_at = now
-        info.num_running, info.num_waiting, info.prefix_cache_hit_rate = self._load_probe()
+        info.num_running, info.num_waiting, info.prefix_cache_hit_rate, info.kv_cache_usage = self._load_probe()
         record = await self._model_record(now)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._keys.worker(info.worker_id), info.model_dump_json(), ex=WORKER_HEARTBEAT_TTL_S)

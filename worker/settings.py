@@ -73,7 +73,12 @@ class WorkerSettings(CommonSettings):
         description="Token budget of one engine step (decode rows + prompt chunks); default 256 on CPU, 2048 on GPU.",
     )
     kv_cache_memory_gib: float = Field(
-        default=4.0, gt=0, description="Memory reserved for the KV cache; fixes the number of concurrent sequences."
+        default=4.0,
+        gt=0,
+        description=(
+            "KV cache budget, counted in blocks of tokens held (on the CPU, memory is taken as tokens are "
+            "written); must hold one sequence of --max-model-len."
+        ),
     )
     prefix_cache_memory_gib: float = Field(
         default=1.0, ge=0, description="Memory for cached prompt prefixes (reused KV of repeated prompts); 0 = off."

@@ -150,17 +150,89 @@ def test_an_abort_that_arrives_before_its_request_still_applies(tiny: tuple[torc
     assert "early" in collector.done and engine.num_running == 0
 
 
-def test_the_memory_budget_caps_concurrency(tiny: tuple[torch.nn.Module, object]) -> None:
-    engine, collector = _engine(tiny, slots=3, budget=256)
-    assert engine.max_running == 3
+def test_the_memory_budget_caps_concurrency_by_tokens(tiny: tuple[torch.nn.Module, object]) -> None:
+    # A budget of 2 full-length sequences: 8 blocks of 64 tokens (fp32, 16-wide heads). Prompts of
+    # 100 tokens take 2 blocks each; the admission watermark keeps 1 free, so 3 run at once.
+    engine, collector = _engine(tiny, slots=1, budget=256)
+    assert engine.max_running == 64 and engine.scheduler.budget.num_blocks == 8
     ids = {f"r{i}" for i in range(7)}
     for request_id in sorted(ids):
-        engine.submit(EngineRequest(request_id, [[5, 6, 7, 8]], _greedy(10)))
+        engine.submit(EngineRequest(request_id, [list(range(5, 105))], _greedy(10)))
     peak = 0
     while not ids <= collector.done:
         engine.run_step()
         peak = max(peak, engine.num_running)
     assert peak == 3
+    assert engine.scheduler.budget.num_used == 0  # every block came back
+
+
+def test_short_streams_run_past_the_slot_count_the_budget_used_to_give(tiny: tuple[torch.nn.Module, object]) -> None:
+    # The budget of 16 full-length slots (68 blocks): 64 short streams all run at once.
+    engine, collector = _engine(tiny, slots=16, budget=256)
+    ids = {f"r{i}" for i in range(64)}
+    for request_id in sorted(ids):
+        engine.submit(EngineRequest(request_id, [[5, 6, 7, 8]], _greedy(40)))
+    peak = 0
+    while not ids <= collector.done:
+        engine.run_step()
+        peak = max(peak, engine.num_running)
+    assert peak == 64
+
+
+def test_a_long_prompt_runs_alongside_32_short_streams(tiny: tuple[torch.nn.Module, object]) -> None:
+    # The budget of 16 full-length slots: a prompt of 200 of the 256 positions and 32 short streams.
+    engine, collector = _engine(tiny, slots=16, budget=256)
+    engine.submit(EngineRequest("long", [list(range(3, 203))], _greedy(20)))
+    for i in range(32):
+        engine.submit(EngineRequest(f"s{i}", [[5, 6, 7, 8]], _greedy(20)))
+    peak = 0
+    while not {"long", *(f"s{i}" for i in range(32))} <= collector.done:
+        engine.run_step()
+        peak = max(peak, engine.num_running)
+    assert peak == 33
+    assert collector.num_tokens("long") == 20
+
+
+def _text_alone(tiny: tuple[torch.nn.Module, object], prompt: list[int], params: SamplingParams) -> str:
+    engine, collector = _engine(tiny)
+    engine.submit(EngineRequest("alone", [prompt], params))
+    _drain(engine, collector, {"alone"})
+    return collector.text("alone")
+
+
+def test_running_out_of_blocks_preempts_and_every_sequence_finishes_as_if_alone(
+    tiny: tuple[torch.nn.Module, object],
+) -> None:
+    # 8 blocks of 64 tokens; six sequences of 10 + 110 tokens want 12: some must be preempted,
+    # recomputed (prompt plus what they had produced) and go on where they stopped.
+    engine, collector = _engine(tiny, slots=1)
+    prompts = {f"r{i}": list(range(10 + i, 20 + i)) for i in range(6)}
+    requests = {rid: EngineRequest(rid, [prompt], _greedy(110)) for rid, prompt in prompts.items()}
+    for request in requests.values():
+        engine.submit(request)
+    _drain(engine, collector, set(requests), max_steps=5000)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.budget.num_used == 0
+    for rid, prompt in prompts.items():
+        assert collector.num_tokens(rid) == 110
+        assert collector.text(rid) == _text_alone(tiny, prompt, _greedy(110)), rid
+    # The newest are preempted first: the first admitted never was.
+    assert requests["r0"].sequences[0].num_preemptions == 0
+
+
+def test_batch_lines_are_preempted_before_interactive_requests(tiny: tuple[torch.nn.Module, object]) -> None:
+    engine, collector = _engine(tiny, slots=1)
+    batch = [EngineRequest(f"b{i}", [list(range(10 + i, 20 + i))], _greedy(110), priority=1) for i in range(3)]
+    interactive = [EngineRequest(f"i{i}", [list(range(40 + i, 50 + i))], _greedy(110)) for i in range(3)]
+    for request in batch:  # admitted first: the older ones, yet the ones preempted
+        engine.submit(request)
+    engine.run_step()
+    for request in interactive:
+        engine.submit(request)
+    _drain(engine, collector, {r.request_id for r in batch + interactive}, max_steps=5000)
+    assert engine.scheduler.num_preemptions > 0
+    assert all(r.sequences[0].num_preemptions == 0 for r in interactive)
+    assert all(collector.num_tokens(r.request_id) == 110 for r in batch + interactive)
 
 
 def test_event_sequence_numbers_are_contiguous_per_request(tiny: tuple[torch.nn.Module, object]) -> None:

@@ -59,8 +59,8 @@ class EmbeddingEngine:
         """Drop a request not yet embedded; with ``kind`` its stream ends with that error."""
         self._aborted[request_id] = (kind, message)
 
-    def load(self) -> tuple[int, int, float]:
-        return 0, self._inbox.qsize(), 0.0
+    def load(self) -> tuple[int, int, float, float]:
+        return 0, self._inbox.qsize(), 0.0, 0.0
 
     @property
     def num_waiting(self) -> int:

@@ -1,4 +1,4 @@
-"""Assemble an engine for a loaded model: KV layout and slot count from the memory budget."""
+"""Assemble an engine for a loaded model: KV layout, slots and block budget from the memory budget."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 from worker.engine.detokenizer import Decoder
 from worker.engine.engine import LLMEngine, OutputSink
 from worker.engine.host_allocator import keep_freed_memory
-from worker.engine.kv_cache import KVCacheLayout, SlotKVCache, num_slots_for_budget
+from worker.engine.kv_blocks import KVBlockBudget
+from worker.engine.kv_cache import KVCacheLayout, SlotKVCache, block_tokens, is_lazily_backed, num_slots_for_budget
 from worker.engine.model_runner import ModelRunner
 from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from worker.engine.sampler import SlotSamplingState
@@ -37,6 +38,9 @@ class EngineConfig:
     max_model_len: int
     kv_cache_bytes: int
     prefix_cache_bytes: int = 0
+    # False: the budget split into full-length slots even where memory could follow the tokens
+    # (how every engine ran before; `make bench` compares the two).
+    kv_held_by_tokens: bool = True
 
 
 def build_engine(
@@ -50,28 +54,25 @@ def build_engine(
     if param.device.type == "cpu":
         keep_freed_memory()
     layout = KVCacheLayout.from_config(model.config, param.dtype, param.device)
-    fitting = num_slots_for_budget(layout, config.max_model_len, config.kv_cache_bytes)
-    num_slots = min(config.max_num_seqs, fitting)
-    if num_slots < 1:
-        need_gib = 2 * layout.bytes_per_token * config.max_model_len / 2**30
-        raise ValueError(
-            f"KV cache budget {config.kv_cache_bytes / 2**30:.2f} GiB cannot hold one sequence of "
-            f"{config.max_model_len} tokens (needs ~{need_gib:.2f} GiB): raise --kv-cache-memory-gib "
-            "or lower --max-model-len"
-        )
-    cache = SlotKVCache(layout, num_slots, config.max_model_len)
+    cache, budget = _kv_cache_and_budget(layout, config)
+    num_slots = cache.num_slots
+    held = "held by tokens" if cache.held_by_tokens else "in full-length slots"
     logger.info(
-        "KV cache: %d slots x %d tokens, %.2f GiB %s on %s (max concurrency %d)",
-        num_slots,
-        config.max_model_len,
-        cache.num_bytes / 2**30,
+        "KV cache: %.2f GiB %s on %s, %s: %d blocks of %d tokens (%d tokens), max concurrency %d",
+        budget.num_blocks * budget.block_tokens * layout.bytes_per_token / 2**30,
         layout.dtype,
         layout.device,
+        held,
+        budget.num_blocks,
+        budget.block_tokens,
+        budget.num_blocks * budget.block_tokens,
         num_slots,
     )
     runner = ModelRunner(model, cache)
     sampling_state = SlotSamplingState(num_slots, runner.vocab_size, layout.device)
-    scheduler_factory = functools.partial(Scheduler, num_slots, config.max_num_seqs, config.max_num_batched_tokens)
+    scheduler_factory = functools.partial(
+        Scheduler, num_slots, config.max_num_seqs, config.max_num_batched_tokens, budget=budget
+    )
     prefix_cache = None
     num_blocks = config.prefix_cache_bytes // (layout.bytes_per_token * BLOCK_SIZE)
     if num_blocks > 0:
@@ -80,4 +81,34 @@ def build_engine(
         logger.info("prefix cache: %d blocks of %d tokens, %.2f GiB", num_blocks, BLOCK_SIZE, size_gib)
     return LLMEngine(
         runner, scheduler_factory, sampling_state, tokenizer, eos_token_ids, config.max_model_len, sink, prefix_cache
+    )
+
+
+def _kv_cache_and_budget(layout: KVCacheLayout, config: EngineConfig) -> tuple[SlotKVCache, KVBlockBudget]:
+    """Where slots take memory only for the tokens they hold (the CPU), there is a slot per
+    ``--max-num-seqs`` and the budget is counted in blocks; elsewhere (CUDA) the budget is split
+    into full-length slots as before, and the block count never binds."""
+    tokens_per_block = block_tokens(layout)
+    block_bytes = tokens_per_block * layout.bytes_per_token
+    if config.kv_held_by_tokens and is_lazily_backed(layout.device):
+        budget = KVBlockBudget(max(1, config.kv_cache_bytes // block_bytes), tokens_per_block)
+        if not budget.fits_alone(config.max_model_len):
+            raise ValueError(_too_small(layout, config))
+        return SlotKVCache(layout, config.max_num_seqs, config.max_model_len), budget
+    num_slots = min(config.max_num_seqs, num_slots_for_budget(layout, config.max_model_len, config.kv_cache_bytes))
+    if num_slots < 1:
+        raise ValueError(_too_small(layout, config))
+    slot_blocks = -(-config.max_model_len // tokens_per_block)
+    budget = KVBlockBudget(num_slots * slot_blocks, tokens_per_block)
+    # Past the slots' blocks, the admission watermark: a free slot's sequence then always fits.
+    budget.num_blocks += budget.watermark
+    return SlotKVCache(layout, num_slots, config.max_model_len, held_by_tokens=False), budget
+
+
+def _too_small(layout: KVCacheLayout, config: EngineConfig) -> str:
+    need_gib = 1.02 * layout.bytes_per_token * config.max_model_len / 2**30
+    return (
+        f"KV cache budget {config.kv_cache_bytes / 2**30:.2f} GiB cannot hold one sequence of "
+        f"{config.max_model_len} tokens (needs ~{need_gib:.2f} GiB): raise --kv-cache-memory-gib "
+        "or lower --max-model-len"
     )

@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +45,13 @@ class RequestOutput:
 OutputSink = Callable[[list[RequestOutput]], None]
 
 
+class EngineLoad(NamedTuple):
+    num_running: int
+    num_waiting: int
+    prefix_cache_hit_rate: float
+    kv_cache_usage: float  # share of the KV budget's blocks held (0-1)
+
+
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
@@ -68,7 +76,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.sampling_state = sampling_state
         self.sampler = Sampler(sampling_state, eos_token_ids)
-        self.scheduler = scheduler_factory(move_slot=self._move_slot, on_admit=self._on_admit)
+        self.scheduler = scheduler_factory(move_slot=self._move_slot, on_admit=self._on_admit, memory=runner.cache)
         self.output_processor = OutputProcessor(eos_token_ids, max_model_len)
         self.max_model_len = max_model_len
         self._sink = sink
@@ -100,10 +108,11 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
-    def load(self) -> tuple[int, int, float]:
-        """Running and waiting sequences, and the prefix-cache hit rate (for the registry)."""
+    def load(self) -> EngineLoad:
+        """What the registry reports: running and waiting sequences, KV use, prefix-cache hits."""
         hit_rate = self.prefix_cache.stats.hit_rate if self.prefix_cache is not None else 0.0
-        return self.scheduler.num_running, self.scheduler.num_waiting, hit_rate
+        scheduler = self.scheduler
+        return EngineLoad(scheduler.num_running, scheduler.num_waiting, hit_rate, scheduler.budget.usage)
 
     @property
     def max_running(self) -> int:
@@ -303,8 +312,10 @@ class LLMEngine:
         assert seq.slot is not None
         self.sampling_state.assign(seq.slot, seq.params, seq.prompt_token_ids, seq.output_token_ids)
         if self.prefix_cache is not None:
-            seq.num_cached_tokens = self.prefix_cache.load(seq.prefill_token_ids, self.runner.cache, seq.slot)
-            seq.num_computed_tokens = seq.num_cached_tokens
+            num_cached = self.prefix_cache.load(seq.prefill_token_ids, self.runner.cache, seq.slot)
+            seq.num_computed_tokens = num_cached
+            if not seq.num_preemptions:  # usage reports the prompt's cached tokens, once
+                seq.num_cached_tokens = num_cached
 
     def _remember_prefix(self, seq: Sequence) -> None:
         """Offer a sequence's computed blocks to the prefix cache (prompt done, or finished)."""

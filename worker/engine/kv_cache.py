@@ -1,12 +1,22 @@
-"""Slot KV cache: a fixed memory budget split into per-sequence slots of ``max_model_len`` positions.
+"""Slot KV cache held by tokens: per-sequence slots of ``max_model_len`` positions whose memory
+is only taken as tokens are written, and given back when the sequence leaves.
 
 Why slots rather than paged blocks: attention then reads each layer's keys and values as one
 strided view ``[rows, heads, length, dim]`` with no gather. On CPU, gathering 16-token blocks
 into that shape cost more than the attention itself (see bench/README.md). Running sequences
 are kept in slots ``0..N-1`` (compacted when one leaves), so the decode batch is always a view.
 
+Why that no longer costs concurrency (vAttention's idea, with the CPU's own pager): on the CPU
+each slot is virtual memory. A page (4 KiB, one ``block_tokens``-token block of one layer's
+head) is only backed when a token is first written into it, and ``release`` hands a leaving
+sequence's pages back (``MADV_DONTNEED``; they read as zeros afterwards). So there are
+``--max-num-seqs`` slots whatever the budget, and the budget is counted in blocks of tokens
+actually held (``KVBlockBudget``, the scheduler's admission rule). Reading past a short row's
+length (masked) maps the shared zero page and takes no memory. On CUDA the memory is real,
+so the slot count still comes from the budget.
+
 An extra scratch slot absorbs the writes of padding tokens when prefill rows of unequal
-length share one forward pass.
+length share one forward pass (at most one step's token budget of positions).
 
 The object also implements the one method transformers' attention layers call on a cache,
 ``update(key, value, layer_idx)``; the positions to write come from the step context set by
@@ -52,23 +62,38 @@ def num_slots_for_budget(layout: KVCacheLayout, max_model_len: int, budget_bytes
     return max(0, budget_bytes // slot_bytes - 1)
 
 
-def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros, never uninitialised memory: a decode step reads past a short row's length (masked
-    out), and masked garbage that happens to be NaN would still poison the row (0 × NaN).
-
-    On the CPU the zeros come from an anonymous mapping, which the kernel hands out zeroed page
-    by page as the cache is first written: ``torch.zeros`` writes every page up front, ~0.8 s
-    per GiB of a new worker's start-up on a 2-core VM. The budget still bounds the cache.
-    """
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+def _lazily_backed(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap]:
+    """Zeros from an anonymous mapping: the kernel backs it page by page as it is first written
+    (``torch.zeros`` would write every page up front, ~0.8 s per GiB of a new worker's start-up on
+    a 2-core VM, and hold all of it). Zeros, never uninitialised memory: a decode step reads past
+    a short row's length (masked), and masked garbage that happens to be NaN would still poison
+    the row (0 x NaN). Huge pages are refused so that memory is taken one 4 KiB block at a time."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    mapping = mmap.mmap(-1, num_bytes)  # the tensor holds the mapping alive
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
+    # Private: a shared anonymous mapping keeps released pages in shmem and reads them back.
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape), mapping
+
+
+def is_lazily_backed(device: torch.device) -> bool:
+    """Whether a slot takes memory only for the tokens written into it (see the module docstring)."""
+    return device.type == "cpu" and hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
+
+
+def block_tokens(layout: KVCacheLayout) -> int:
+    """Tokens per block: the positions of one layer's head that one page holds (32 for a
+    64-wide bf16 head). On CUDA, where memory is not paged in, the same unit keeps the count."""
+    row_bytes = layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
+    return max(1, mmap.PAGESIZE // row_bytes)
 
 
 class SlotKVCache:
-    def __init__(self, layout: KVCacheLayout, num_slots: int, max_model_len: int) -> None:
+    def __init__(
+        self, layout: KVCacheLayout, num_slots: int, max_model_len: int, held_by_tokens: bool | None = None
+    ) -> None:
+        """``held_by_tokens`` (default: wherever the memory is lazily backed): ``release`` hands a
+        slot's memory back; without it a slot keeps the memory it once took, for its next sequence."""
         if num_slots < 1:
             raise ValueError("the KV cache budget does not fit a single sequence of max_model_len tokens")
         self.layout = layout
@@ -76,8 +101,23 @@ class SlotKVCache:
         self.max_model_len = max_model_len
         self.scratch_slot = num_slots
         shape = (num_slots + 1, layout.num_kv_heads, max_model_len, layout.head_dim)
-        self.keys = [_zeroed(shape, layout.dtype, layout.device) for _ in range(layout.num_layers)]
-        self.values = [_zeroed(shape, layout.dtype, layout.device) for _ in range(layout.num_layers)]
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._mappings: list[mmap.mmap] = []  # the lazily backed memory under keys and values
+        lazily_backed = is_lazily_backed(layout.device)
+        self.held_by_tokens = lazily_backed if held_by_tokens is None else held_by_tokens and lazily_backed
+        for _ in range(layout.num_layers):
+            for tensors in (self.keys, self.values):
+                if lazily_backed:
+                    tensor, mapping = _lazily_backed(shape, layout.dtype)
+                    self._mappings.append(mapping)
+                else:
+                    tensor = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
+                tensors.append(tensor)
+        self._row_bytes = layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()  # one position
+        self.block_tokens = block_tokens(layout)
+        self._held = [0] * (num_slots + 1)  # blocks each slot's sequence holds
+        self._backed = [0] * (num_slots + 1)  # blocks' worth of pages each slot may have taken
         self._write_slots: torch.Tensor | None = None
         self._write_positions: torch.Tensor | None = None
         self._read_rows: torch.Tensor | slice = slice(0, 0)
@@ -86,6 +126,7 @@ class SlotKVCache:
 
     @property
     def num_bytes(self) -> int:
+        """The address space the slots span (on the CPU, not the memory they hold)."""
         return 2 * sum(t.numel() * t.element_size() for t in self.keys)
 
     # -- step context -----------------------------------------------------------------------
@@ -129,7 +170,62 @@ class SlotKVCache:
 
     # -- slot management --------------------------------------------------------------------
     def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (compaction)."""
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (compaction); the
+        blocks ``src``'s sequence held are ``dst``'s now."""
         for keys, values in zip(self.keys, self.values, strict=True):
             keys[dst, :, :length] = keys[src, :, :length]
             values[dst, :, :length] = values[src, :, :length]
+        self.hold(dst, self._held[src])
+
+    # -- memory held by tokens (see the module docstring) -------------------------------------------
+    def hold(self, slot: int, num_blocks: int) -> None:
+        """The sequence in ``slot`` holds ``num_blocks`` blocks (it may write their positions)."""
+        self._held[slot] = num_blocks
+        self._backed[slot] = max(self._backed[slot], num_blocks)
+
+    def vacate(self, slot: int) -> None:
+        """Its sequence left. The slot's pages stay for the next sequence put there (a fresh page
+        costs a fault and a zeroing: 3 % of 32-stream throughput when every slot's were handed
+        back at once) until ``trim`` needs them."""
+        self._held[slot] = 0
+
+    def trim(self, max_blocks: int) -> None:
+        """Hand pages back until the slots hold at most ``max_blocks`` blocks' worth: first those of
+        empty slots, then those past what each slot's sequence holds. They read as zeros after."""
+        if not self.held_by_tokens or sum(self._backed) <= max_blocks:
+            return
+        excess = sum(self._backed) - max_blocks
+        by_emptiness = sorted(range(self.num_slots), key=lambda slot: self._held[slot] > 0)
+        for slot in by_emptiness:
+            if excess <= 0:
+                return
+            held, backed = self._held[slot], self._backed[slot]
+            if backed > held:
+                self._release(slot, held * self.block_tokens, backed * self.block_tokens)
+                self._backed[slot] = held
+                excess -= backed - held
+
+    def release(self, slot: int) -> None:
+        """Hand all of a vacant slot's pages back now."""
+        self.vacate(slot)
+        self._release(slot, 0, self.max_model_len)
+        self._backed[slot] = 0
+
+    @property
+    def num_backed_blocks(self) -> int:
+        """Blocks' worth of pages the slots may hold (an upper bound of their memory)."""
+        return sum(self._backed)
+
+    def _release(self, slot: int, first: int, end: int) -> None:
+        """``MADV_DONTNEED`` on positions ``[first, end)`` of every layer's heads in ``slot``: only
+        whole pages inside the range (all of it when a head's positions start page-aligned)."""
+        if not self.held_by_tokens or end <= first:
+            return
+        page = mmap.PAGESIZE
+        for head in range(self.layout.num_kv_heads):
+            row = (slot * self.layout.num_kv_heads + head) * self.max_model_len
+            start = -(-(row + first) * self._row_bytes // page) * page
+            stop = (row + min(end, self.max_model_len)) * self._row_bytes // page * page
+            if stop > start:
+                for mapping in self._mappings:
+                    mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)

@@ -1,20 +1,42 @@
-"""Iteration-level scheduling over KV slots: admit, chunk prefills, release and compact.
+"""Iteration-level scheduling over KV slots: admit, chunk prefills, preempt, release and compact.
 
 Every step decodes all sequences that hold a slot and spends the rest of the token budget on
 prompt chunks, so a long prompt never stalls running streams for more than one chunk.
 Sequences leave the batch the moment they finish; the last slot moves into the hole so the
 running batch stays ``0..N-1``.
+
+Admission counts KV blocks (``kv_blocks.py``), not slots: a sequence is admitted when blocks
+for its whole prompt are free, and grows a block at a time as it decodes. When a step's growth
+does not fit, the least urgent sequence (batch before interactive, then the newest) is
+preempted: its blocks are freed and it waits at the head of its priority to be recomputed
+(prompt plus the tokens it already produced) and go on where it stopped.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from worker.engine.kv_blocks import KVBlockBudget
 from worker.engine.sequence import Sequence, SequenceStatus
 
 SlotMover = Callable[[int, int, int], None]
+
+
+class SlotMemory(Protocol):
+    """The cache's memory, told what each slot holds (``SlotKVCache``)."""
+
+    def hold(self, slot: int, num_blocks: int) -> None: ...
+
+    def vacate(self, slot: int) -> None: ...
+
+    def trim(self, max_blocks: int) -> None: ...
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,6 +77,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         move_slot: SlotMover,
         on_admit: Callable[[Sequence], None] | None = None,
+        budget: KVBlockBudget | None = None,
+        memory: SlotMemory | None = None,
     ) -> None:
         self.max_running = min(num_slots, max_num_seqs)
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -64,6 +88,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._move_slot = move_slot
         self._on_admit = on_admit
+        # Without a budget (tests of slot order alone) every slot may hold a whole sequence.
+        self.budget = budget or KVBlockBudget(2**62, 1)
+        self._memory = memory
+        self._num_admitted = 0
+        self.num_preemptions = 0
 
     @property
     def num_waiting(self) -> int:
@@ -85,6 +114,7 @@ class Scheduler:
         self.waiting.insert(position, seq)
 
     def schedule(self) -> ScheduledStep:
+        self._make_room_to_decode()
         num_decoding = sum(seq.status is SequenceStatus.DECODING for seq in self.running)
         budget = max(self.max_num_batched_tokens - num_decoding, self.min_prefill_tokens)
         chunks: list[PrefillChunk] = []
@@ -93,6 +123,8 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:
                 if chunks and (len(chunks) + 1) * query_len > budget:
                     break
+                if not self.budget.can_admit(seq.num_prefill_tokens + 1):
+                    break  # in order: a long prompt is not overtaken by every short one after it
                 self._admit(seq)  # may load a cached prefix, shortening what is left to compute
             length = min(seq.num_uncomputed_prompt_tokens, query_len or budget)
             # Rows are padded to the longest chunk, so the padded size is what the budget pays.
@@ -102,7 +134,43 @@ class Scheduler:
             query_len = max(query_len, length)
         completes_interactive = any(chunk.completes_prompt and chunk.seq.request.priority == 0 for chunk in chunks)
         skip_decode = completes_interactive and any(seq.request.priority > 0 for seq in self.running)
+        if self._memory is not None:
+            self._memory.trim(self.budget.num_blocks)
         return ScheduledStep(list(self.running), chunks, skip_decode)
+
+    def _make_room_to_decode(self) -> None:
+        """Every decoding sequence gets the block its next token needs; where they do not all
+        fit, the least urgent sequences are preempted until they do."""
+        while True:
+            decoding = [seq for seq in self.running if seq.status is SequenceStatus.DECODING]
+            wanted = sum(self.budget.extra_blocks(seq, seq.num_computed_tokens + 1) for seq in decoding)
+            if wanted <= self.budget.num_free:
+                break
+            self.preempt(max(self.running, key=lambda seq: (seq.request.priority, seq.admit_order)))
+        for seq in decoding:
+            self._grow(seq, seq.num_computed_tokens + 1)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        self.budget.grow(seq, num_tokens)
+        if self._memory is not None and seq.slot is not None:
+            self._memory.hold(seq.slot, seq.num_kv_blocks)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s slot and blocks; it waits at the head of its priority to be recomputed."""
+        self._leave(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.prefill_token_ids = seq.prompt_token_ids + seq.output_token_ids
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        logger.info(
+            "preempted request_id=%s (KV budget: %d of %d blocks free); it will be recomputed from %d tokens",
+            seq.request.request_id, self.budget.num_free, self.budget.num_blocks, seq.num_prefill_tokens,
+        )  # fmt: skip
+        position = 0
+        while position < len(self.waiting) and self.waiting[position].request.priority < seq.request.priority:
+            position += 1
+        self.waiting.insert(position, seq)
 
     def _prefill_candidates(self) -> Iterator[Sequence]:
         """Sequences holding a slot with prompt left, then waiting ones while slots are free; of
@@ -123,7 +191,10 @@ class Scheduler:
         self.waiting.popleft()
         seq.slot = len(self.running)
         seq.status = SequenceStatus.PREFILLING
+        seq.admit_order = self._num_admitted
+        self._num_admitted += 1
         self.running.append(seq)
+        self._grow(seq, seq.num_prefill_tokens + 1)  # the whole prompt, and the first token
         if self._on_admit is not None:
             self._on_admit(seq)
 
@@ -134,10 +205,19 @@ class Scheduler:
             if seq in self.waiting:
                 self.waiting.remove(seq)
             return
+        self._leave(seq)
+
+    def _leave(self, seq: Sequence) -> None:
+        """Out of the running batch: its blocks are freed, the last slot moves into its hole,
+        and the slot left empty at the end is vacated (its memory goes back when trimmed)."""
         hole, last = seq.slot, self.running[-1]
+        assert hole is not None
+        self.budget.free(seq)
         self.running.pop()
         seq.slot = None
         if last is not seq:
             self._move_slot(last.slot, hole, last.num_computed_tokens)  # type: ignore[arg-type]
             last.slot = hole
             self.running[hole] = last
+        if self._memory is not None:
+            self._memory.vacate(len(self.running))

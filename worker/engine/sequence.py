@@ -91,6 +91,9 @@ class Sequence:
         self.slot: int | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.num_kv_blocks = 0  # KV blocks held (kv_blocks.py)
+        self.admit_order = 0  # when it was last admitted: the newest is preempted first
+        self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
         self.stop_checker = StopStringChecker(self.params.stop_strings + self.params.markup_stop_strings)
