@@ -56,6 +56,7 @@ class InProcessEngine:
         self.sink = _TraceSink()
         self.engine: LLMEngine = build_engine(loaded.model, loaded.tokenizer, config, loaded.eos_token_ids, self.sink)
         self._next_id = 0
+        self.peak_running = 0  # the most sequences one step ran, over every run
 
     def run(self, bodies: list[dict[str, object]]) -> list[StreamTrace]:
         """Submit every request at once; return their traces when all have finished."""
@@ -73,6 +74,7 @@ class InProcessEngine:
             self.engine.submit(prepare_chat(request_id, request, self.loaded, self.tooling, limits))
         while not self.sink.done.is_set():
             self.engine.run_step()
+            self.peak_running = max(self.peak_running, self.engine.num_running)
         return traces
 
     def run_sequential(self, bodies: list[dict[str, object]]) -> list[StreamTrace]:
