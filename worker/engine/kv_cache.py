@@ -8,8 +8,9 @@ are kept in slots ``0..N-1`` (compacted when one leaves), so the decode batch is
 
 Why that no longer costs concurrency (vAttention's idea, with the CPU's own pager): on the CPU
 each slot is virtual memory. A page (4 KiB, one ``block_tokens``-token block of one layer's
-head) is only backed when a token is first written into it, and ``release`` hands a leaving
-sequence's pages back (``MADV_DONTNEED``; they read as zeros afterwards). So there are
+head) is only backed when a token is first written into it; a leaving sequence's pages stay
+for the next one in its slot until ``trim`` hands pages back (``MADV_DONTNEED``; they read as
+zeros afterwards) to keep them within the budget. So there are
 ``--max-num-seqs`` slots whatever the budget, and the budget is counted in blocks of tokens
 actually held (``KVBlockBudget``, the scheduler's admission rule). Reading past a short row's
 length (masked) maps the shared zero page and takes no memory. On CUDA the memory is real,
@@ -81,19 +82,23 @@ def is_lazily_backed(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
 
 
+def _position_bytes(layout: KVCacheLayout) -> int:
+    """One position of one layer's head (keys or values)."""
+    return layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
+
+
 def block_tokens(layout: KVCacheLayout) -> int:
     """Tokens per block: the positions of one layer's head that one page holds (32 for a
     64-wide bf16 head). On CUDA, where memory is not paged in, the same unit keeps the count."""
-    row_bytes = layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()
-    return max(1, mmap.PAGESIZE // row_bytes)
+    return max(1, mmap.PAGESIZE // _position_bytes(layout))
 
 
 class SlotKVCache:
     def __init__(
         self, layout: KVCacheLayout, num_slots: int, max_model_len: int, held_by_tokens: bool | None = None
     ) -> None:
-        """``held_by_tokens`` (default: wherever the memory is lazily backed): ``release`` hands a
-        slot's memory back; without it a slot keeps the memory it once took, for its next sequence."""
+        """``held_by_tokens`` (default: wherever the memory is lazily backed): ``trim`` hands pages
+        back; without it a slot keeps the memory it once took, for its next sequence."""
         if num_slots < 1:
             raise ValueError("the KV cache budget does not fit a single sequence of max_model_len tokens")
         self.layout = layout
@@ -114,7 +119,7 @@ class SlotKVCache:
                 else:
                     tensor = torch.zeros(shape, dtype=layout.dtype, device=layout.device)
                 tensors.append(tensor)
-        self._row_bytes = layout.head_dim * torch.empty((), dtype=layout.dtype).element_size()  # one position
+        self._row_bytes = _position_bytes(layout)
         self.block_tokens = block_tokens(layout)
         self._held = [0] * (num_slots + 1)  # blocks each slot's sequence holds
         self._backed = [0] * (num_slots + 1)  # blocks' worth of pages each slot may have taken
@@ -204,12 +209,6 @@ class SlotKVCache:
                 self._release(slot, held * self.block_tokens, backed * self.block_tokens)
                 self._backed[slot] = held
                 excess -= backed - held
-
-    def release(self, slot: int) -> None:
-        """Hand all of a vacant slot's pages back now."""
-        self.vacate(slot)
-        self._release(slot, 0, self.max_model_len)
-        self._backed[slot] = 0
 
     @property
     def num_backed_blocks(self) -> int:
