@@ -60,7 +60,7 @@ bench-batch: $(BENCH_INSTALLED)
 bench-scaling: $(BENCH_INSTALLED)
 	$(PY) -m bench.scaling_bench $(ARGS)
 
-## The KV cache held by tokens against full-length slots (~3 min): 32 streams in-process, alternated; bench/results/kv_layout.json.
+## The KV cache held by tokens against full-length slots, and a shared system prompt held once against copied (~4 min); bench/results/kv_layout.json.
 bench-kv: $(BENCH_INSTALLED)
 	$(PY) -m bench.kv_layout_bench $(ARGS)
 

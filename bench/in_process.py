@@ -57,6 +57,8 @@ class InProcessEngine:
         self.engine: LLMEngine = build_engine(loaded.model, loaded.tokenizer, config, loaded.eos_token_ids, self.sink)
         self._next_id = 0
         self.peak_running = 0  # the most sequences one step ran, over every run
+        self.peak_kv_blocks = 0  # the most KV blocks held after one step, over every run
+        self.peak_shared_blocks = 0  # of which held once for every sequence that reads them
 
     def run(self, bodies: list[dict[str, object]]) -> list[StreamTrace]:
         """Submit every request at once; return their traces when all have finished."""
@@ -75,14 +77,18 @@ class InProcessEngine:
         while not self.sink.done.is_set():
             self.engine.run_step()
             self.peak_running = max(self.peak_running, self.engine.num_running)
+            scheduler = self.engine.scheduler
+            if scheduler.budget.num_used > self.peak_kv_blocks:
+                self.peak_kv_blocks = scheduler.budget.num_used
+                prefixes = scheduler.prefixes
+                self.peak_shared_blocks = prefixes.num_shared_blocks if prefixes is not None else 0
         return traces
 
     def run_sequential(self, bodies: list[dict[str, object]]) -> list[StreamTrace]:
         return [trace for body in bodies for trace in self.run([body])]
 
     def prefix_hit_rate(self) -> float | None:
-        cache = self.engine.prefix_cache
-        return cache.stats.hit_rate if cache is not None else None
+        return self.engine.load().prefix_cache_hit_rate
 
     def close(self) -> None:
         """Release the KV cache before the next mode loads its own."""

@@ -4,7 +4,10 @@
    layout run three times, alternated, on the same requests (``make bench`` runs this too): what
    the layout itself costs;
 2. the default context: 64 streams with the model's whole 8,192-token context and the default
-   4 GiB, where the slot cache fits 21 sequences at once: what holding KV by tokens gives.
+   4 GiB, where the slot cache fits 21 sequences at once: what holding KV by tokens gives;
+3. a shared system prompt: 32 streams whose prompts begin with the same ~2,000 tokens (seen
+   once before, as an agent's tool list is), the prefix held once against copied into each
+   sequence's slot: KV blocks held at the peak, tok/s, TTFT.
 
     python -m bench.kv_layout_bench [--streams 32] [--output-tokens 128]
 
@@ -14,6 +17,7 @@ Prints both; writes ``bench/results/kv_layout.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -24,7 +28,7 @@ import torch
 from bench.in_process import InProcessEngine
 from bench.serving_bench import RESULTS, bodies_for, engine_config, kv_layout_scenario
 from bench.stats import summarize
-from bench.workload import distinct_prompts
+from bench.workload import chat_prompt_ids, distinct_prompts
 from worker.engine.builder import EngineConfig, default_max_num_batched_tokens
 from worker.model_loader import load_model
 from worker.settings import DEFAULT_MODEL, WorkerSettings
@@ -53,6 +57,47 @@ def full_context_scenario(
     return result
 
 
+def system_prompt_text(tokenizer: Any, min_tokens: int) -> str:
+    """An agent-like system prompt of at least ``min_tokens`` tokens: a list of tools."""
+    lines = ["You are a coding agent. You may call these tools:"]
+    while len(chat_prompt_ids(tokenizer, [{"role": "system", "content": "\n".join(lines)}])) < min_tokens:
+        i = len(lines)
+        lines.append(f"- tool_{i}(path, start, end): returns lines start to end of path, numbered from {i}.")
+    return "\n".join(lines)
+
+
+def shared_prompt_scenario(
+    loaded: Any, args: argparse.Namespace, streams: int = 32, system_tokens: int = 2000, max_model_len: int = 8192
+) -> dict[str, Any]:
+    """``streams`` requests at once whose prompts share a system prompt of ``system_tokens``, after
+    one request with it: the prefix held once (the default) against copied into every slot."""
+    loaded = dataclasses.replace(loaded, max_model_len=max_model_len)  # loaded for make bench's 1,024
+    system = system_prompt_text(loaded.tokenizer, system_tokens)
+    bodies = bodies_for([f"Question {i}: which tool reads file number {i}?" for i in range(streams + 1)], 64)
+    for body in bodies:
+        body["messages"] = [{"role": "system", "content": system}, *body["messages"]]
+    base = {**engine_config(args, streams).__dict__, "max_model_len": max_model_len}
+    result: dict[str, Any] = {
+        "streams": streams,
+        "system_prompt_tokens": len(chat_prompt_ids(loaded.tokenizer, [{"role": "system", "content": system}])),
+    }
+    for label in ("held_once", "copied"):
+        engine = InProcessEngine(loaded, EngineConfig(**{**base, "share_prefixes": label == "held_once"}))
+        engine.run(bodies[:1])  # the system prompt seen once before
+        summary = summarize(label, streams, engine.run(bodies[1:]))
+        result[label] = {
+            "peak_kv_blocks": engine.peak_kv_blocks,
+            "peak_shared_blocks": engine.peak_shared_blocks,
+            "block_tokens": engine.engine.scheduler.budget.block_tokens,
+            "hit_rate": engine.prefix_hit_rate(),
+            "tok_s": summary.tok_s,
+            "ttft_p50_ms": summary.ttft_p50_ms,
+        }
+        engine.close()
+        print(f"  {streams} streams sharing a system prompt, prefix {label}: {result[label]}", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=32)
@@ -68,6 +113,7 @@ def main() -> None:
     texts = distinct_prompts(loaded.tokenizer, max(args.streams, 64), args.prompt_tokens)
     result = kv_layout_scenario(loaded, args, texts, args.streams)
     full_context = full_context_scenario(loaded, args, texts)
+    shared_prompt = shared_prompt_scenario(loaded, args)
     flags = ("streams", "prompt_tokens", "output_tokens", "max_model_len")
     shown = [(k, v) for k, v in vars(args).items() if k in flags]
     report = {
@@ -78,6 +124,7 @@ def main() -> None:
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         **result,
         "default_context_64_streams": full_context,
+        "shared_system_prompt_32_streams": shared_prompt,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
@@ -93,6 +140,15 @@ def main() -> None:
         row = full_context[label]
         cells = [f"{row['peak_running']}", f"{row['tok_s']:.1f}"]
         cells += [f"{row['ttft_p50_ms']:.0f}", f"{row['ttft_p99_ms']:.0f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    tokens = shared_prompt["system_prompt_tokens"]
+    print(f"\n| 32 streams, one {tokens}-token system prompt | KV blocks held at peak | of them shared "
+          "| prefix hit rate | tok/s | TTFT p50 ms |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, name in (("held_once", "prefix held once"), ("copied", "prefix copied into each slot")):
+        row = shared_prompt[label]
+        cells = [f"{row['peak_kv_blocks']}", f"{row['peak_shared_blocks']}", f"{row['hit_rate']:.1%}"]
+        cells += [f"{row['tok_s']:.1f}", f"{row['ttft_p50_ms']:.0f}"]
         print(f"| {name} | " + " | ".join(cells) + " |")
     print(f"wrote {args.out}")
 

@@ -78,6 +78,7 @@ def _reference(folder: Path) -> torch.nn.Module:
 class _Seq:
     def __init__(self, tokens: list[int], slot: int) -> None:
         self.prefill_token_ids, self.slot = tokens, slot
+        self.shared_prefix, self.shared_len = None, 0
 
 
 def _runner(model: NativeCausalLM, slots: int = 3) -> ModelRunner:

@@ -17,6 +17,8 @@ from worker.engine.model_runner import ModelRunner
 from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from worker.engine.sampler import SlotSamplingState
 from worker.engine.scheduler import Scheduler
+from worker.engine.shared_prefix import SharedPrefixes
+from worker.native.decoder import NativeCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 # (prompt chunks make the steps they share longer); on a GPU a step's cost barely grows with it.
 _CPU_STEP_TOKENS = 256
 _GPU_STEP_TOKENS = 2048
+_PREFIX_SLOTS_PER_SEQ = 4
 
 
 def default_max_num_batched_tokens(device: torch.device) -> int:
@@ -41,6 +44,9 @@ class EngineConfig:
     # False: the budget split into full-length slots even where memory could follow the tokens
     # (how every engine ran before; `make bench` compares the two).
     kv_held_by_tokens: bool = True
+    # False: cached prefixes are copied into each sequence's slot even where they could be held
+    # once (how every engine ran before; `make bench-kv` compares the two).
+    share_prefixes: bool = True
 
 
 def build_engine(
@@ -54,7 +60,11 @@ def build_engine(
     if param.device.type == "cpu":
         keep_freed_memory()
     layout = KVCacheLayout.from_config(model.config, param.dtype, param.device)
-    cache, budget = _kv_cache_and_budget(layout, config)
+    sharing = _shares_prefixes(model, layout, config)
+    # Prefix slots are virtual memory until written: room for every running sequence's chain and
+    # as many again that none reads (an agent's earlier turns, branches), within the idle budget.
+    num_prefix_slots = _PREFIX_SLOTS_PER_SEQ * config.max_num_seqs if sharing else 0
+    cache, budget = _kv_cache_and_budget(layout, config, num_prefix_slots=num_prefix_slots)
     num_slots = cache.num_slots
     held = "held by tokens" if cache.held_by_tokens else "in full-length slots"
     logger.info(
@@ -70,21 +80,44 @@ def build_engine(
     )
     runner = ModelRunner(model, cache)
     sampling_state = SlotSamplingState(num_slots, runner.vocab_size, layout.device)
+    prefix_cache, prefixes = None, None
+    if sharing:
+        idle_blocks = config.prefix_cache_bytes // (budget.block_tokens * layout.bytes_per_token)
+        prefixes = SharedPrefixes(cache, budget, idle_blocks)
+        logger.info(
+            "prefix cache: prompt prefixes held once, shared by the sequences that read them; "
+            "up to %d blocks of %d tokens (%.2f GiB) kept while none reads them",
+            idle_blocks, budget.block_tokens, config.prefix_cache_bytes / 2**30,
+        )  # fmt: skip
+    else:
+        num_blocks = config.prefix_cache_bytes // (layout.bytes_per_token * BLOCK_SIZE)
+        if num_blocks > 0:
+            prefix_cache = PrefixCache(layout, num_blocks)
+            size_gib = prefix_cache.num_bytes / 2**30
+            logger.info("prefix cache: %d blocks of %d tokens, %.2f GiB", num_blocks, BLOCK_SIZE, size_gib)
     scheduler_factory = functools.partial(
-        Scheduler, num_slots, config.max_num_seqs, config.max_num_batched_tokens, budget=budget
+        Scheduler, num_slots, config.max_num_seqs, config.max_num_batched_tokens, budget=budget, prefixes=prefixes
     )
-    prefix_cache = None
-    num_blocks = config.prefix_cache_bytes // (layout.bytes_per_token * BLOCK_SIZE)
-    if num_blocks > 0:
-        prefix_cache = PrefixCache(layout, num_blocks)
-        size_gib = prefix_cache.num_bytes / 2**30
-        logger.info("prefix cache: %d blocks of %d tokens, %.2f GiB", num_blocks, BLOCK_SIZE, size_gib)
     return LLMEngine(
         runner, scheduler_factory, sampling_state, tokenizer, eos_token_ids, config.max_model_len, sink, prefix_cache
     )
 
 
-def _kv_cache_and_budget(layout: KVCacheLayout, config: EngineConfig) -> tuple[SlotKVCache, KVBlockBudget]:
+def _shares_prefixes(model: torch.nn.Module, layout: KVCacheLayout, config: EngineConfig) -> bool:
+    """Prefixes are held once (``shared_prefix.py``) where the slots are held by tokens and the
+    native decoder attends to them; elsewhere the prefix cache copies blocks into each slot."""
+    return (
+        config.share_prefixes
+        and config.prefix_cache_bytes > 0
+        and config.kv_held_by_tokens
+        and is_lazily_backed(layout.device)
+        and isinstance(model, NativeCausalLM)
+    )
+
+
+def _kv_cache_and_budget(
+    layout: KVCacheLayout, config: EngineConfig, num_prefix_slots: int = 0
+) -> tuple[SlotKVCache, KVBlockBudget]:
     """Where slots take memory only for the tokens they hold (the CPU), there is a slot per
     ``--max-num-seqs`` and the budget is counted in blocks; elsewhere (CUDA) the budget is split
     into full-length slots as before, and the block count never binds."""
@@ -94,7 +127,7 @@ def _kv_cache_and_budget(layout: KVCacheLayout, config: EngineConfig) -> tuple[S
         budget = KVBlockBudget(max(1, config.kv_cache_bytes // block_bytes), tokens_per_block)
         if not budget.fits_alone(config.max_model_len):
             raise ValueError(_too_small(layout, config))
-        return SlotKVCache(layout, config.max_num_seqs, config.max_model_len), budget
+        return SlotKVCache(layout, config.max_num_seqs, config.max_model_len, num_prefix_slots=num_prefix_slots), budget
     num_slots = min(config.max_num_seqs, num_slots_for_budget(layout, config.max_model_len, config.kv_cache_bytes))
     if num_slots < 1:
         raise ValueError(_too_small(layout, config))

@@ -22,7 +22,7 @@ from shared.errors import ErrorKind
 from shared.events import AnyEvent, EndEvent, ErrorEvent, TokenLogprob, UsageCounts
 from worker.engine.detokenizer import Decoder
 from worker.engine.logprobs import token_logprobs
-from worker.engine.model_runner import ModelRunner
+from worker.engine.model_runner import ModelRunner, prefix_of
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.prefix_cache import PrefixCache
 from worker.engine.sampler import Sampler, SlotSamplingState
@@ -110,8 +110,12 @@ class LLMEngine:
 
     def load(self) -> EngineLoad:
         """What the registry reports: running and waiting sequences, KV use, prefix-cache hits."""
-        hit_rate = self.prefix_cache.stats.hit_rate if self.prefix_cache is not None else 0.0
         scheduler = self.scheduler
+        hit_rate = 0.0
+        if self.prefix_cache is not None:
+            hit_rate = self.prefix_cache.stats.hit_rate
+        elif scheduler.prefixes is not None:
+            hit_rate = scheduler.prefixes.stats.hit_rate
         return EngineLoad(scheduler.num_running, scheduler.num_waiting, hit_rate, scheduler.budget.usage)
 
     @property
@@ -187,7 +191,8 @@ class LLMEngine:
         if decoding:
             running = scheduled.running
             token_ids = [seq.last_token_id if seq.status is SequenceStatus.DECODING else 0 for seq in running]
-            logits = self.runner.decode(token_ids, [seq.num_computed_tokens for seq in running])
+            positions = [seq.num_computed_tokens for seq in running]
+            logits = self.runner.decode(token_ids, positions, [prefix_of(seq) for seq in running])
             if len(decoding) < len(running):
                 logits = logits[[seq.slot for seq in decoding]]
             parts.append(logits)
@@ -204,7 +209,7 @@ class LLMEngine:
                 seq = chunks[row].seq
                 seq.status = SequenceStatus.DECODING
                 seqs.append(seq)
-                self._remember_prefix(seq)
+                self._remember_prefix(seq, finishing=False)
             parts.append(logits[completed])
         return (torch.cat(parts) if len(parts) > 1 else parts[0]), seqs
 
@@ -216,7 +221,7 @@ class LLMEngine:
             request = seq.request
             self._emit(request.request_id, delta)
             if seq.finish_reason is not None:
-                self._remember_prefix(seq)
+                self._remember_prefix(seq, finishing=True)
                 self.scheduler.release(seq)
                 request.num_finished += 1
                 if request.is_finished:
@@ -311,14 +316,19 @@ class LLMEngine:
     def _on_admit(self, seq: Sequence) -> None:
         assert seq.slot is not None
         self.sampling_state.assign(seq.slot, seq.params, seq.prompt_token_ids, seq.output_token_ids)
+        num_cached = seq.shared_len  # a shared prefix, attached by the scheduler
         if self.prefix_cache is not None:
             num_cached = self.prefix_cache.load(seq.prefill_token_ids, self.runner.cache, seq.slot)
             seq.num_computed_tokens = num_cached
-            if not seq.num_preemptions:  # usage reports the prompt's cached tokens, once
-                seq.num_cached_tokens = num_cached
+        if not seq.num_preemptions:  # usage reports the prompt's cached tokens, once
+            seq.num_cached_tokens = num_cached
 
-    def _remember_prefix(self, seq: Sequence) -> None:
+    def _remember_prefix(self, seq: Sequence, finishing: bool) -> None:
         """Offer a sequence's computed blocks to the prefix cache (prompt done, or finished)."""
-        if self.prefix_cache is not None and seq.slot is not None:
-            tokens = seq.prompt_token_ids + seq.output_token_ids
+        if seq.slot is None:
+            return
+        tokens = seq.prompt_token_ids + seq.output_token_ids
+        if self.prefix_cache is not None:
             self.prefix_cache.store(tokens, seq.num_computed_tokens, self.runner.cache, seq.slot)
+        elif self.scheduler.prefixes is not None:
+            self.scheduler.prefixes.publish(seq, tokens, seq.num_computed_tokens, finishing)

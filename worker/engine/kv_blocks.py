@@ -45,7 +45,11 @@ class KVBlockBudget:
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether a new sequence may take blocks for ``num_tokens`` now, leaving the watermark."""
-        return self.blocks_for(num_tokens) + self.watermark <= self.num_free
+        return self.can_take(self.blocks_for(num_tokens))
+
+    def can_take(self, num_blocks: int) -> bool:
+        """Whether a new sequence may take ``num_blocks`` blocks now, leaving the watermark."""
+        return num_blocks + self.watermark <= self.num_free
 
     def extra_blocks(self, holder: HoldsBlocks, num_tokens: int) -> int:
         """Blocks ``holder`` still needs to hold ``num_tokens`` tokens."""
@@ -58,6 +62,13 @@ class KVBlockBudget:
             raise RuntimeError(f"KV budget overdrawn: {extra} blocks wanted, {self.num_free} free")
         holder.num_kv_blocks += extra
         self.num_used += extra
+
+    def shrink(self, holder: HoldsBlocks, num_blocks: int) -> None:
+        """``holder`` gives back ``num_blocks`` of its blocks (handed over to a shared prefix)."""
+        if num_blocks > holder.num_kv_blocks:
+            raise RuntimeError(f"KV budget: {num_blocks} blocks given back of {holder.num_kv_blocks} held")
+        holder.num_kv_blocks -= num_blocks
+        self.num_used -= num_blocks
 
     def free(self, holder: HoldsBlocks) -> None:
         self.num_used -= holder.num_kv_blocks

@@ -17,7 +17,10 @@ length (masked) maps the shared zero page and takes no memory. On CUDA the memor
 so the slot count still comes from the budget.
 
 An extra scratch slot absorbs the writes of padding tokens when prefill rows of unequal
-length share one forward pass (at most one step's token budget of positions).
+length share one forward pass (at most one step's token budget of positions). After it come
+the prefix slots (``shared_prefix.py``): prompt prefixes that many sequences attend to, held
+once. A sequence attached to one holds only the positions past the shared length in its own
+slot; a step's ``shared_groups`` tell the attention which rows read which prefix slot.
 
 The object also implements the one method transformers' attention layers call on a cache,
 ``update(key, value, layer_idx)``; the positions to write come from the step context set by
@@ -29,6 +32,7 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -55,6 +59,15 @@ class KVCacheLayout:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         return cls(text.num_hidden_layers, num_kv_heads, head_dim, dtype, device)
+
+
+class SharedGroup(NamedTuple):
+    """Rows of a step (batch indices) that attend to the first ``length`` positions of prefix
+    slot ``slot`` before their own."""
+
+    rows: torch.Tensor
+    slot: int
+    length: int
 
 
 def num_slots_for_budget(layout: KVCacheLayout, max_model_len: int, budget_bytes: int) -> int:
@@ -95,7 +108,12 @@ def block_tokens(layout: KVCacheLayout) -> int:
 
 class SlotKVCache:
     def __init__(
-        self, layout: KVCacheLayout, num_slots: int, max_model_len: int, held_by_tokens: bool | None = None
+        self,
+        layout: KVCacheLayout,
+        num_slots: int,
+        max_model_len: int,
+        held_by_tokens: bool | None = None,
+        num_prefix_slots: int = 0,
     ) -> None:
         """``held_by_tokens`` (default: wherever the memory is lazily backed): ``trim`` hands pages
         back; without it a slot keeps the memory it once took, for its next sequence."""
@@ -105,7 +123,10 @@ class SlotKVCache:
         self.num_slots = num_slots
         self.max_model_len = max_model_len
         self.scratch_slot = num_slots
-        shape = (num_slots + 1, layout.num_kv_heads, max_model_len, layout.head_dim)
+        self.first_prefix_slot = num_slots + 1
+        self.num_prefix_slots = num_prefix_slots
+        num_all = num_slots + 1 + num_prefix_slots
+        shape = (num_all, layout.num_kv_heads, max_model_len, layout.head_dim)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._mappings: list[mmap.mmap] = []  # the lazily backed memory under keys and values
@@ -121,13 +142,20 @@ class SlotKVCache:
                 tensors.append(tensor)
         self._row_bytes = _position_bytes(layout)
         self.block_tokens = block_tokens(layout)
-        self._held = [0] * (num_slots + 1)  # blocks each slot's sequence holds
-        self._backed = [0] * (num_slots + 1)  # blocks' worth of pages each slot may have taken
+        # What each slot's owner holds: ``_held`` blocks from block ``_first`` on (a sequence
+        # attached to a shared prefix holds nothing before its end); the pages a slot may have
+        # taken lie within blocks ``[_lo, _hi)``.
+        self._held = [0] * num_all
+        self._first = [0] * num_all
+        self._lo = [0] * num_all
+        self._hi = [0] * num_all
         self._write_slots: torch.Tensor | None = None
         self._write_positions: torch.Tensor | None = None
         self._read_rows: torch.Tensor | slice = slice(0, 0)
+        self._read_start = 0
         self._kv_len = 0
         self._single_position: int | None = None  # a one-row decode step's position
+        self.shared_groups: tuple[SharedGroup, ...] = ()
 
     @property
     def num_bytes(self) -> int:
@@ -135,21 +163,39 @@ class SlotKVCache:
         return 2 * sum(t.numel() * t.element_size() for t in self.keys)
 
     # -- step context -----------------------------------------------------------------------
-    def begin_decode(self, num_rows: int, positions: torch.Tensor, kv_len: int) -> None:
-        """Rows ``0..num_rows-1`` each write one token at ``positions[row]``."""
+    def begin_decode(
+        self,
+        num_rows: int,
+        positions: torch.Tensor,
+        kv_len: int,
+        read_start: int = 0,
+        shared_groups: tuple[SharedGroup, ...] = (),
+    ) -> None:
+        """Rows ``0..num_rows-1`` each write one token at ``positions[row]``; attention reads their
+        own positions ``[read_start, kv_len)`` (and the ``shared_groups``' prefixes)."""
         self._write_slots = torch.arange(num_rows, device=positions.device)[:, None]
         self._write_positions = positions[:, None]
         self._read_rows = slice(0, num_rows)
+        self._read_start = read_start
+        self.shared_groups = shared_groups
         self._kv_len = kv_len
         # One row (one stream): a plain indexed copy, ~4x cheaper than the scattered write below.
         self._single_position = int(positions[0]) if num_rows == 1 else None
 
     def begin_prefill(
-        self, slots: torch.Tensor, write_slots: torch.Tensor, write_positions: torch.Tensor, kv_len: int
+        self,
+        slots: torch.Tensor,
+        write_slots: torch.Tensor,
+        write_positions: torch.Tensor,
+        kv_len: int,
+        read_start: int = 0,
+        shared_groups: tuple[SharedGroup, ...] = (),
     ) -> None:
         """Rows ``slots`` write ``[rows, query_len]`` tokens; padding is pointed at the scratch slot."""
         self._write_slots = write_slots
         self._write_positions = write_positions
+        self._read_start = read_start
+        self.shared_groups = shared_groups
         first = int(slots[0])
         is_contiguous = bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all())
         self._read_rows = slice(first, first + len(slots)) if is_contiguous else slots
@@ -168,25 +214,44 @@ class SlotKVCache:
             # [rows, heads, q, dim] → index [rows, q] picks [rows, q, heads, dim]
             keys[self._write_slots, :, self._write_positions] = key_states.transpose(1, 2)
             values[self._write_slots, :, self._write_positions] = value_states.transpose(1, 2)
-        return keys[self._read_rows, :, : self._kv_len], values[self._read_rows, :, : self._kv_len]
+        positions = slice(self._read_start, self._kv_len)
+        return keys[self._read_rows, :, positions], values[self._read_rows, :, positions]
+
+    def shared_kv(self, layer_idx: int, group: SharedGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """A shared prefix's keys and values, ``[kv_heads, length, dim]`` each (views)."""
+        return self.keys[layer_idx][group.slot, :, : group.length], self.values[layer_idx][
+            group.slot, :, : group.length
+        ]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
 
     # -- slot management --------------------------------------------------------------------
     def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (compaction); the
-        blocks ``src``'s sequence held are ``dst``'s now."""
+        """Copy the first ``length`` positions of slot ``src`` that its sequence holds into slot
+        ``dst`` (compaction); the blocks ``src``'s sequence held are ``dst``'s now."""
+        first = self._first[src] * self.block_tokens
+        self.copy_positions(src, dst, first, length)
+        self.hold(dst, self._held[src], first)
+
+    def copy_positions(self, src: int, dst: int, start: int, end: int) -> None:
+        """Positions ``[start, end)`` of every layer's heads, from slot ``src`` to slot ``dst``."""
+        if end <= start:
+            return
         for keys, values in zip(self.keys, self.values, strict=True):
-            keys[dst, :, :length] = keys[src, :, :length]
-            values[dst, :, :length] = values[src, :, :length]
-        self.hold(dst, self._held[src])
+            keys[dst, :, start:end] = keys[src, :, start:end]
+            values[dst, :, start:end] = values[src, :, start:end]
 
     # -- memory held by tokens (see the module docstring) -------------------------------------------
-    def hold(self, slot: int, num_blocks: int) -> None:
-        """The sequence in ``slot`` holds ``num_blocks`` blocks (it may write their positions)."""
-        self._held[slot] = num_blocks
-        self._backed[slot] = max(self._backed[slot], num_blocks)
+    def hold(self, slot: int, num_blocks: int, first_position: int = 0) -> None:
+        """The sequence in ``slot`` holds ``num_blocks`` blocks from ``first_position`` (a block
+        boundary: where its shared prefix ends) on; it may write their positions."""
+        first = first_position // self.block_tokens
+        self._held[slot], self._first[slot] = num_blocks, first
+        if num_blocks:
+            empty = self._hi[slot] <= self._lo[slot]
+            self._lo[slot] = first if empty else min(self._lo[slot], first)
+            self._hi[slot] = max(self._hi[slot], first + num_blocks)
 
     def vacate(self, slot: int) -> None:
         """Its sequence left. The slot's pages stay for the next sequence put there (a fresh page
@@ -197,23 +262,30 @@ class SlotKVCache:
     def trim(self, max_blocks: int) -> None:
         """Hand pages back until the slots hold at most ``max_blocks`` blocks' worth: first those of
         empty slots, then those past what each slot's sequence holds. They read as zeros after."""
-        if not self.held_by_tokens or sum(self._backed) <= max_blocks:
+        if not self.held_by_tokens or self.num_backed_blocks <= max_blocks:
             return
-        excess = sum(self._backed) - max_blocks
-        by_emptiness = sorted(range(self.num_slots), key=lambda slot: self._held[slot] > 0)
+        excess = self.num_backed_blocks - max_blocks
+        slots = [slot for slot in range(len(self._held)) if slot != self.scratch_slot]
+        by_emptiness = sorted(slots, key=lambda slot: self._held[slot] > 0)
+        tokens = self.block_tokens
         for slot in by_emptiness:
             if excess <= 0:
                 return
-            held, backed = self._held[slot], self._backed[slot]
-            if backed > held:
-                self._release(slot, held * self.block_tokens, backed * self.block_tokens)
-                self._backed[slot] = held
-                excess -= backed - held
+            lo, hi = self._lo[slot], self._hi[slot]
+            held, first = self._held[slot], self._first[slot]
+            if hi - lo > held:
+                if held:
+                    self._release(slot, lo * tokens, first * tokens)
+                    self._release(slot, (first + held) * tokens, hi * tokens)
+                else:
+                    self._release(slot, lo * tokens, hi * tokens)
+                self._lo[slot], self._hi[slot] = (first, first + held) if held else (0, 0)
+                excess -= hi - lo - held
 
     @property
     def num_backed_blocks(self) -> int:
         """Blocks' worth of pages the slots may hold (an upper bound of their memory)."""
-        return sum(self._backed)
+        return sum(hi - lo for lo, hi in zip(self._lo, self._hi, strict=True) if hi > lo)
 
     def _release(self, slot: int, first: int, end: int) -> None:
         """``MADV_DONTNEED`` on positions ``[first, end)`` of every layer's heads in ``slot``: only

@@ -11,10 +11,19 @@ from typing import Protocol
 
 import torch
 
-from worker.engine.kv_cache import SlotKVCache
+from worker.engine.kv_cache import SharedGroup, SlotKVCache
 from worker.engine.model_config import text_config
 from worker.engine.scheduler import PrefillChunk
+from worker.engine.sequence import Sequence
 from worker.native.decoder import NativeCausalLM
+
+SharedPrefix = tuple[int, int]  # (prefix slot, length) a row reads before its own keys; length 0: none
+NO_PREFIX: SharedPrefix = (-1, 0)
+
+
+def prefix_of(seq: Sequence) -> SharedPrefix:
+    prefix = seq.shared_prefix
+    return (prefix.slot, seq.shared_len) if prefix is not None else NO_PREFIX
 
 
 class StepForward(Protocol):
@@ -55,14 +64,21 @@ class ModelRunner:
         self._logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
 
     @torch.inference_mode()
-    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """Rows ``0..len(token_ids)-1``: one token each at ``positions``; returns [rows, vocab] fp32."""
+    def decode(
+        self, token_ids: list[int], positions: list[int], prefixes: Seq[SharedPrefix] | None = None
+    ) -> torch.Tensor:
+        """Rows ``0..len(token_ids)-1``: one token each at ``positions``; returns [rows, vocab] fp32.
+        ``prefixes``: each row's shared prefix (``(prefix slot, length)``; length 0: none)."""
         device = self.device
         position_t = torch.tensor(positions, dtype=torch.long, device=device)
         kv_len = max(positions) + 1
-        self.cache.begin_decode(len(token_ids), position_t, kv_len)
-        key_positions = torch.arange(kv_len, device=device)
-        mask = (key_positions[None, :] <= position_t[:, None])[:, None, None, :]
+        read_start, groups, own_start = self._shared_groups(prefixes)
+        self.cache.begin_decode(len(token_ids), position_t, kv_len, read_start, groups)
+        key_positions = torch.arange(read_start, kv_len, device=device)
+        mask = key_positions[None, :] <= position_t[:, None]
+        if own_start is not None:
+            mask &= key_positions[None, :] >= own_start[:, None]
+        mask = mask[:, None, None, :]
         hidden = self._forward(
             torch.tensor(token_ids, dtype=torch.long, device=device)[:, None], position_t[:, None], mask
         )
@@ -87,12 +103,35 @@ class ModelRunner:
         write_slots = torch.where(is_padding, self.cache.scratch_slot, slots[:, None])
         write_positions = torch.where(is_padding, offsets, positions)
         kv_len = int((starts + length_t).max())
-        self.cache.begin_prefill(slots, write_slots, write_positions, kv_len)
-        key_positions = torch.arange(kv_len, device=device)
-        mask = (key_positions[None, None, :] <= positions[:, :, None])[:, None]
+        prefixes = [prefix_of(chunk.seq) for chunk in chunks]
+        read_start, groups, own_start = self._shared_groups(prefixes)
+        self.cache.begin_prefill(slots, write_slots, write_positions, kv_len, read_start, groups)
+        key_positions = torch.arange(read_start, kv_len, device=device)
+        mask = key_positions[None, None, :] <= positions[:, :, None]
+        if own_start is not None:
+            mask &= key_positions[None, None, :] >= own_start[:, None, None]
+        mask = mask[:, None]
         hidden = self._forward(torch.tensor(token_rows, dtype=torch.long, device=device), positions, mask)
         last = hidden[torch.arange(len(chunks), device=device), length_t - 1]
         return self._logits(last)
+
+    def _shared_groups(
+        self, prefixes: Seq[SharedPrefix] | None
+    ) -> tuple[int, tuple[SharedGroup, ...], torch.Tensor | None]:
+        """Where rows' own keys start (the first position any row reads), the rows of each shared
+        prefix, and each row's first own position (None when no row has a prefix)."""
+        if not prefixes or not any(length for _, length in prefixes):
+            return 0, (), None
+        rows_of: dict[SharedPrefix, list[int]] = {}
+        for row, prefix in enumerate(prefixes):
+            if prefix[1]:
+                rows_of.setdefault(prefix, []).append(row)
+        groups = tuple(
+            SharedGroup(torch.tensor(rows, dtype=torch.long, device=self.device), slot, length)
+            for (slot, length), rows in rows_of.items()
+        )
+        lengths = [length for _, length in prefixes]
+        return min(lengths), groups, torch.tensor(lengths, dtype=torch.long, device=self.device)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.forward.hidden_states(input_ids, position_ids, mask, self.cache)

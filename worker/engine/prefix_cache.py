@@ -30,10 +30,10 @@ class PrefixCacheStats:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
 
-def block_hashes(token_ids: list[int], num_blocks: int) -> list[int]:
+def block_hashes(token_ids: list[int], num_blocks: int, block_size: int = BLOCK_SIZE) -> list[int]:
     hashes, previous = [], 0
     for index in range(num_blocks):
-        previous = hash((previous, *token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]))
+        previous = hash((previous, *token_ids[index * block_size : (index + 1) * block_size]))
         hashes.append(previous)
     return hashes
 

@@ -10,6 +10,10 @@ for its whole prompt are free, and grows a block at a time as it decodes. When a
 does not fit, the least urgent sequence (batch before interactive, then the newest) is
 preempted: its blocks are freed and it waits at the head of its priority to be recomputed
 (prompt plus the tokens it already produced) and go on where it stopped.
+
+With shared prefixes (``shared_prefix.py``), a sequence attaches at admission to the longest
+cached chain its prompt begins with; it is charged blocks only for its own tokens after it, and
+the prefix once, whoever reads it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Protocol
 
 from worker.engine.kv_blocks import KVBlockBudget
 from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.shared_prefix import SharedPrefixes
 
 SlotMover = Callable[[int, int, int], None]
 
@@ -29,7 +34,7 @@ SlotMover = Callable[[int, int, int], None]
 class SlotMemory(Protocol):
     """The cache's memory, told what each slot holds (``SlotKVCache``)."""
 
-    def hold(self, slot: int, num_blocks: int) -> None: ...
+    def hold(self, slot: int, num_blocks: int, first_position: int = 0) -> None: ...
 
     def vacate(self, slot: int) -> None: ...
 
@@ -79,6 +84,7 @@ class Scheduler:
         on_admit: Callable[[Sequence], None] | None = None,
         budget: KVBlockBudget | None = None,
         memory: SlotMemory | None = None,
+        prefixes: SharedPrefixes | None = None,
     ) -> None:
         self.max_running = min(num_slots, max_num_seqs)
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -91,6 +97,7 @@ class Scheduler:
         # Without a budget (tests of slot order alone) every slot may hold a whole sequence.
         self.budget = budget or KVBlockBudget(2**62, 1)
         self._memory = memory
+        self.prefixes = prefixes
         self._num_admitted = 0
         self.num_preemptions = 0
 
@@ -123,8 +130,13 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:
                 if chunks and (len(chunks) + 1) * query_len > budget:
                     break
-                if not self.budget.can_admit(seq.num_prefill_tokens + 1):
-                    break  # in order: a long prompt is not overtaken by every short one after it
+                if self.prefixes is not None:
+                    match = self.prefixes.match(seq)
+                    if not self.budget.can_take(self.prefixes.admission_blocks(seq, match)):
+                        break  # in order: a long prompt is not overtaken by every short one after it
+                    self.prefixes.attach(seq, match)
+                elif not self.budget.can_admit(seq.num_prefill_tokens + 1):
+                    break
                 self._admit(seq)  # may load a cached prefix, shortening what is left to compute
             length = min(seq.num_uncomputed_prompt_tokens, query_len or budget)
             # Rows are padded to the longest chunk, so the padded size is what the budget pays.
@@ -134,8 +146,11 @@ class Scheduler:
             query_len = max(query_len, length)
         completes_interactive = any(chunk.completes_prompt and chunk.seq.request.priority == 0 for chunk in chunks)
         skip_decode = completes_interactive and any(seq.request.priority > 0 for seq in self.running)
+        if self.prefixes is not None:
+            self.prefixes.balance(self.running)
         if self._memory is not None:
-            self._memory.trim(self.budget.num_blocks)
+            idle_blocks = self.prefixes.idle.num_blocks if self.prefixes is not None else 0
+            self._memory.trim(self.budget.num_blocks + idle_blocks)
         return ScheduledStep(list(self.running), chunks, skip_decode)
 
     def _make_room_to_decode(self) -> None:
@@ -143,7 +158,9 @@ class Scheduler:
         fit, the least urgent sequences are preempted until they do."""
         while True:
             decoding = [seq for seq in self.running if seq.status is SequenceStatus.DECODING]
-            wanted = sum(self.budget.extra_blocks(seq, seq.num_computed_tokens + 1) for seq in decoding)
+            wanted = sum(
+                self.budget.extra_blocks(seq, seq.num_computed_tokens + 1 - seq.shared_len) for seq in decoding
+            )
             if wanted <= self.budget.num_free:
                 break
             self.preempt(max(self.running, key=lambda seq: (seq.request.priority, seq.admit_order)))
@@ -151,9 +168,10 @@ class Scheduler:
             self._grow(seq, seq.num_computed_tokens + 1)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        self.budget.grow(seq, num_tokens)
+        """Let ``seq`` hold its first ``num_tokens`` tokens (those past its shared prefix in its slot)."""
+        self.budget.grow(seq, num_tokens - seq.shared_len)
         if self._memory is not None and seq.slot is not None:
-            self._memory.hold(seq.slot, seq.num_kv_blocks)
+            self._memory.hold(seq.slot, seq.num_kv_blocks, seq.shared_len)
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s slot and blocks; it waits at the head of its priority to be recomputed."""
@@ -194,6 +212,7 @@ class Scheduler:
         seq.admit_order = self._num_admitted
         self._num_admitted += 1
         self.running.append(seq)
+        seq.num_computed_tokens = seq.shared_len
         self._grow(seq, seq.num_prefill_tokens + 1)  # the whole prompt, and the first token
         if self._on_admit is not None:
             self._on_admit(seq)
@@ -213,6 +232,8 @@ class Scheduler:
         hole, last = seq.slot, self.running[-1]
         assert hole is not None
         self.budget.free(seq)
+        if self.prefixes is not None:
+            self.prefixes.detach(seq)
         self.running.pop()
         seq.slot = None
         if last is not seq:

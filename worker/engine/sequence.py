@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.stop_checker import StopStringChecker
 from worker.parsers.pipeline import TextPipeline
 from worker.structured import CompiledConstraint
+
+if TYPE_CHECKING:
+    from worker.engine.shared_prefix import PrefixSlot
 
 
 class SequenceStatus(Enum):
@@ -91,7 +95,16 @@ class Sequence:
         self.slot: int | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
-        self.num_kv_blocks = 0  # KV blocks held (kv_blocks.py)
+        self.num_kv_blocks = 0  # KV blocks held in its own slot (kv_blocks.py)
+        # A prompt prefix it reads from a prefix slot instead of holding (shared_prefix.py): its
+        # first ``shared_len`` tokens, which its own slot then does not hold.
+        self.shared_prefix: PrefixSlot | None = None
+        self.shared_len = 0
+        # The chain its first ``chain_len`` tokens are cached in (read, copied from or published
+        # to): where its later blocks are published, extending that chain in place.
+        self.chain: PrefixSlot | None = None
+        self.chain_len = 0
+        self.chain_hash = 0  # the hash of its last block there: is the chain still its own?
         self.admit_order = 0  # when it was last admitted: the newest is preempted first
         self.num_preemptions = 0
         self.finish_reason: str | None = None

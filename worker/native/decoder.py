@@ -15,13 +15,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.engine.kv_cache import SharedGroup
+from worker.native.shared_attention import attend_with_prefixes
 from worker.native.spec import DecoderSpec
 
 
 class StepCache(Protocol):
+    shared_groups: tuple[SharedGroup, ...]  # this step's rows that read a shared prefix first
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def shared_kv(self, layer_idx: int, group: SharedGroup) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class Linear(nn.Module):
@@ -121,6 +127,9 @@ class Attention(nn.Module):
         query, key = query_and_key[:, : self.num_heads], query_and_key[:, self.num_heads :]
         value = qkv[:, :, self.num_heads + self.num_kv_heads :].transpose(1, 2)
         key, value = cache.update(key, value, self.layer_idx)
+        if cache.shared_groups:
+            out = self._attend_with_prefixes(query, key, value, mask, cache)
+            return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
         if rows == 1 and query_len == 1:
             mask = None  # one query at the last position sees every key: SDPA's unmasked path is cheaper
         if query_len == 1 and self.group_size > 1:
@@ -135,6 +144,24 @@ class Attention(nn.Module):
                 value = value.repeat_interleave(self.group_size, dim=1)
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
+
+    def _attend_with_prefixes(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: StepCache,
+    ) -> torch.Tensor:
+        """Rows attached to shared prefixes (``shared_attention.py``); ``[rows, heads, q, dim]``."""
+        rows, _, query_len, _ = query.shape
+        # The group's heads (and each head's queries) become query rows of their kv head.
+        grouped = query.reshape(rows, self.num_kv_heads, self.group_size * query_len, self.head_dim)
+        if mask is not None and query_len > 1 and self.group_size > 1:
+            mask = mask.repeat(1, 1, self.group_size, 1)
+        prefixes = [(group.rows, *cache.shared_kv(self.layer_idx, group)) for group in cache.shared_groups]
+        out = attend_with_prefixes(grouped, key, value, mask, self.scale, prefixes)
+        return out.reshape(rows, self.num_heads, query_len, self.head_dim)
 
 
 class MLP(nn.Module):
