@@ -235,9 +235,7 @@ class SharedPrefixes:
             victims = [prefix for prefix in idle if prefix is not keep]
             if not victims:
                 return False
-            victim = min(victims, key=lambda prefix: prefix.last_used)
-            self.idle.free(victim)
-            self._drop(victim)
+            self._evict(min(victims, key=lambda prefix: prefix.last_used))
         return True
 
     def _take_empty_slot(self) -> PrefixSlot | None:
@@ -249,8 +247,7 @@ class SharedPrefixes:
         if not unread:
             return None
         victim = min(unread, key=lambda prefix: prefix.last_used)
-        self.idle.free(victim)
-        self._drop(victim)
+        self._evict(victim)
         return victim
 
     def _set_chain(self, prefix: PrefixSlot, hashes: list[int], num_tokens: int) -> None:
@@ -260,6 +257,11 @@ class SharedPrefixes:
         prefix.hashes, prefix.num_tokens = hashes, num_tokens
         self.cache.hold(prefix.slot, self.kv.blocks_for(num_tokens))
         self._touch(prefix)
+
+    def _evict(self, prefix: PrefixSlot) -> None:
+        """An unread prefix leaves the idle budget and the cache."""
+        self.idle.free(prefix)
+        self._drop(prefix)
 
     def _drop(self, prefix: PrefixSlot) -> None:
         """Forget ``prefix``'s chain; its slot's pages go back when the cache is trimmed."""
