@@ -261,3 +261,48 @@ def test_sessions_each_with_their_own_history_copy_it_and_read_no_prefix_slot(na
             prefixes = engine.scheduler.prefixes
             assert prefixes is not None and engine.scheduler.budget.num_used == 0
     assert outputs["True"] == outputs["False"]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_traffic_over_shared_prefixes_keeps_the_books_and_the_text(native: LoadedModel, seed: int) -> None:
+    # Prompts built from three shared starts of unequal length, arriving over time, some of them
+    # the next turn of an earlier one, on a budget small enough to preempt: every request gives
+    # the tokens it gives without sharing, and when all have finished no block is held and the
+    # idle budget counts exactly the chains it keeps.
+    rng = torch.Generator().manual_seed(seed)
+
+    def randint(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=rng))
+
+    starts = [torch.randint(100, 20_000, (n,), generator=rng).tolist() for n in (70, 200, 330)]
+    arrivals: list[tuple[int, EngineRequest]] = []
+    for i in range(14):
+        start = starts[randint(0, 3)]
+        prompt = (
+            start[: randint(len(start) // 2, len(start) + 1)]
+            + torch.randint(100, 20_000, (randint(1, 50),), generator=rng).tolist()
+        )
+        arrivals.append((randint(0, 12), EngineRequest(f"q{i}", [prompt], _greedy(randint(1, 60)))))
+    texts = {}
+    for sharing in (True, False):
+        engine, collector = _engine(
+            native, sharing=sharing, kv_tokens=10 * CHAIN, prefix_tokens=12 * CHAIN, max_len=512
+        )
+        pending = sorted(arrivals, key=lambda arrival: arrival[0])
+        step = 0
+        while pending or not {request.request_id for _, request in arrivals} <= collector.done:
+            while pending and pending[0][0] <= step:
+                _, request = pending.pop(0)
+                engine.submit(EngineRequest(request.request_id, request.prompts, request.params))
+            engine.run_step()
+            step += 1
+            assert step < 5000
+        texts[sharing] = {request.request_id: _tokens(collector, request.request_id) for _, request in arrivals}
+        assert engine.scheduler.budget.num_used == 0
+        prefixes = engine.scheduler.prefixes
+        if prefixes is not None:
+            assert prefixes.num_shared_blocks == 0
+            assert prefixes.idle.num_used == prefixes.num_chain_blocks
+            assert prefixes.idle.num_used <= prefixes.idle.num_blocks
+            assert prefixes.stats.num_hit_tokens > 0
+    assert texts[True] == texts[False]

@@ -71,6 +71,11 @@ class SharedPrefixes:
         return sum(prefix.num_kv_blocks for prefix in self._prefixes if prefix.num_refs)
 
     @property
+    def num_chain_blocks(self) -> int:
+        """Blocks of every cached chain, read or not."""
+        return sum(prefix.num_kv_blocks for prefix in self._prefixes)
+
+    @property
     def num_cached_chains(self) -> int:
         return sum(prefix.num_tokens > 0 for prefix in self._prefixes)
 
