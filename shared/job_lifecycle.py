@@ -79,12 +79,15 @@ return 1
 """
 
 # KEYS: queue, queue's running set, all running jobs. ARGV: job key prefix, worker id, worker
-# instance, now (ms). Takes the queue's first job that is still queued (a cancelled one is
-# dropped on the way); returns {id, epoch, attempt, next_seq, payload} or nil.
+# instance, now (ms), the latest queue score (enqueue time, ms) it may take ('' for any). Takes
+# the queue's first job that is still queued (a cancelled one is dropped on the way); returns
+# {id, epoch, attempt, next_seq, payload}, {score} when the first job is too recent, or nil.
 _CLAIM = """
+local latest = tonumber(ARGV[5])
 for _ = 1, 64 do
-    local head = redis.call('ZRANGE', KEYS[1], 0, 0)
+    local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
     if #head == 0 then return false end
+    if latest and tonumber(head[2]) > latest then return {head[2]} end
     local id = head[1]
     redis.call('ZREM', KEYS[1], id)
     local job = ARGV[1] .. id
@@ -224,6 +227,13 @@ class Claim:
     payload: bytes
 
 
+@dataclass(frozen=True)
+class NotYet:
+    """The queue's first job has not waited the claimer's ``min_wait_s``: ask again in ``ready_in_s``."""
+
+    ready_in_s: float
+
+
 class AppendStatus(StrEnum):
     WRITTEN = "written"
     REFUSED = "refused"  # the job is not this epoch's any more: stop working on it
@@ -282,14 +292,19 @@ class JobLifecycle:
         if created == -2:
             raise TenantJobsFull(tenant)
 
-    async def claim(self, queue: str, worker_id: str, instance: str) -> Claim | None:
-        keys = self._keys
+    async def claim(self, queue: str, worker_id: str, instance: str, min_wait_s: float = 0.0) -> Claim | NotYet | None:
+        """The queue's first job, now this worker's; with ``min_wait_s``, only one that has waited
+        that long (a job handed back waits at the front and is always old enough)."""
+        keys, now = self._keys, now_ms()
+        latest = str(now - round(min_wait_s * 1000)) if min_wait_s > 0 else ""
         reply = await self._claim(
             keys=[queue, keys.queue_running(queue), keys.running_jobs()],
-            args=[keys.job_prefix, worker_id, instance, now_ms()],
+            args=[keys.job_prefix, worker_id, instance, now, latest],
         )
         if not reply:
             return None
+        if len(reply) == 1:
+            return NotYet(ready_in_s=max(0.0, (float(reply[0]) - float(latest)) / 1000))
         job_id, epoch, attempt, next_seq, payload = reply
         return Claim(job_id.decode(), int(epoch), int(attempt), int(next_seq), bytes(payload))
 

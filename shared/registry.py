@@ -30,6 +30,11 @@ class WorkerInfo(BaseModel):
     num_waiting: int = Field(default=0, description="Sequences admitted to the engine but not yet running.")
     prefix_cache_hit_rate: float = Field(default=0.0, description="Prompt tokens served from the prefix cache.")
     kv_cache_usage: float = Field(default=0.0, description="Share of the KV budget's blocks held (0-1).")
+    num_jobs: int = Field(default=0, description="Jobs its queue consumers hold; with none it leaves its cores.")
+    cpus: list[int] = Field(default_factory=list, description="The CPUs it may run on (its affinity); empty: unknown.")
+    sizes_own_threads: bool = Field(
+        default=False, description="Its torch threads follow its share of the cores (no --num-threads given)."
+    )
 
 
 class ModelRecord(BaseModel):

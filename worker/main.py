@@ -10,6 +10,8 @@ import signal
 import time
 from collections.abc import Callable
 
+from redis.exceptions import RedisError
+
 from shared.connection import RedisRefused, connect_redis, wait_for_redis
 from shared.job_lifecycle import Claim, JobLifecycle
 from shared.log_setup import configure_logging
@@ -19,6 +21,7 @@ from worker.embedding.loader import LoadedEmbedder, is_embedding_model, load_emb
 from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
 from worker.engine.engine import LLMEngine
 from worker.engine_thread import EngineThread
+from worker.host_pool import HostPool
 from worker.job_handlers import EmbeddingHandler, Engine, GenerationHandler, JobHandler
 from worker.job_runner import JobRunner
 from worker.model_loader import LoadedModel, load_model
@@ -26,7 +29,7 @@ from worker.publisher import EventPublisher
 from worker.queue_consumer import QueueConsumer
 from worker.registry import WorkerRegistration
 from worker.settings import WorkerSettings
-from worker.thread_budget import ThreadBudget, available_cores
+from worker.thread_budget import available_cores, cpu_set
 from worker.tooling import resolve_tooling
 
 logger = logging.getLogger("relaylm.worker")
@@ -41,13 +44,16 @@ def make_consumer(
     queue: str,
     priority: int = 0,
     claim_gate: Callable[[], bool] | None = None,
+    claim_min_wait_s: Callable[[], float] | None = None,
+    on_jobs_changed: Callable[[], None] | None = None,
 ) -> QueueConsumer:
     async def run_job(claim: Claim) -> None:
         await runner.run(claim, priority)
 
     return QueueConsumer(
-        lifecycle, queue, settings.worker_id, instance, num_slots, run_job, settings.poll_delay_s, claim_gate
-    )
+        lifecycle, queue, settings.worker_id, instance, num_slots, run_job, settings.poll_delay_s, claim_gate,
+        claim_min_wait_s, on_jobs_changed,
+    )  # fmt: skip
 
 
 class EngineStopped(RuntimeError):
@@ -61,9 +67,11 @@ class WorkerProcess:
         self.task = resolve_task(settings)
         self.redis = connect_redis(settings.redis_url)
         self.lifecycle = JobLifecycle(self.redis, self.keys)
+        sizes_own_threads = not (settings.num_threads and settings.num_threads > 0)
         self.registration = WorkerRegistration(
-            self.redis, self.keys, settings.worker_id, settings.model_id, settings.heartbeat_interval_s, self.task
-        )
+            self.redis, self.keys, settings.worker_id, settings.model_id, settings.heartbeat_interval_s, self.task,
+            cpus=cpu_set(), sizes_own_threads=sizes_own_threads,
+        )  # fmt: skip
         self.publisher = EventPublisher(settings.redis_url, self.keys)
         # Before the model loads: this worker's share of the host's cores (refined once registered).
         initial_threads = settings.num_threads or available_cores()
@@ -71,9 +79,12 @@ class WorkerProcess:
             self.engine_thread = EngineThread(self._load_embedder, self._build_embedding_engine, initial_threads)
         else:
             self.engine_thread = EngineThread(self._load, self._build, initial_threads)
-        self.thread_budget = ThreadBudget(
-            self.redis, self.keys, self.registration.info.host, settings.num_threads, self.engine_thread.set_num_threads
-        )
+        self.host_pool = HostPool(
+            self.redis, self.keys, self.registration.info, available_cores(), settings.num_threads,
+            self.engine_thread.set_num_threads,
+        )  # fmt: skip
+        self._was_busy = False
+        self._beats: set[asyncio.Task[None]] = set()
 
     def _load(self) -> LoadedModel:
         s = self.settings
@@ -112,13 +123,14 @@ class WorkerProcess:
             return
         await self.registration.beat()
         self.registration.start()
-        await self.thread_budget.refresh()
-        self.thread_budget.start()
+        await self.host_pool.refresh()
+        self.host_pool.start()
         logger.info("worker %s registered for model %s (%s); loading", s.worker_id, s.model_id, self.task)
         loaded, engine = await self.engine_thread.start()
         handler = self._handler(loaded, engine)
         runner = JobRunner(self.lifecycle, s.worker_id, s.model_id, handler, self.publisher, s.job_timeout_s)
         consumers = self._consumers(runner, engine)
+        self.registration.jobs_probe = lambda: sum(consumer.num_jobs_running for consumer in consumers)
         listener = ControlListener(
             self.redis,
             {
@@ -152,7 +164,7 @@ class WorkerProcess:
         await self._shutdown(engine, consumers, consume, listener)
 
     async def _disconnect(self) -> None:
-        await self.thread_budget.stop()
+        await self.host_pool.stop()
         self.publisher.close()
         await self.redis.aclose()
 
@@ -161,9 +173,11 @@ class WorkerProcess:
         interactive work leaves, never the reserved ones, and wait while requests queue in the engine."""
         s = self.settings
         instance = self.registration.info.instance
+        min_wait, changed = self.host_pool.claim_min_wait_s, self._jobs_changed
         interactive = make_consumer(
-            s, self.lifecycle, instance, runner, engine.max_running, self.keys.queue(s.model_id)
-        )
+            s, self.lifecycle, instance, runner, engine.max_running, self.keys.queue(s.model_id),
+            claim_min_wait_s=min_wait, on_jobs_changed=changed,
+        )  # fmt: skip
         reserved = s.batch_reserved_slots if s.batch_reserved_slots is not None else engine.max_running // 2
         batch_slots = max(1, engine.max_running - reserved)
 
@@ -173,9 +187,25 @@ class WorkerProcess:
 
         batch = make_consumer(
             s, self.lifecycle, instance, runner, batch_slots, self.keys.batch_queue(s.model_id), priority=1,
-            claim_gate=has_room_for_batch,
+            claim_gate=has_room_for_batch, claim_min_wait_s=min_wait, on_jobs_changed=changed,
         )  # fmt: skip
         return [interactive, batch]
+
+    def _jobs_changed(self) -> None:
+        """A worker that turns busy or idle says so at once: neighbours on its cores resize
+        their threads on their next registry read instead of after a heartbeat."""
+        busy = self.registration.jobs_probe() > 0
+        if busy != self._was_busy:
+            self._was_busy = busy
+            beat = asyncio.create_task(self._beat_now(), name="relaylm-beat-now")
+            self._beats.add(beat)
+            beat.add_done_callback(self._beats.discard)
+
+    async def _beat_now(self) -> None:
+        try:
+            await self.registration.beat()
+        except RedisError as exc:
+            logger.warning("heartbeat failed: %s", exc)
 
     async def _shutdown(
         self,

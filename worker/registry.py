@@ -24,7 +24,15 @@ LoadProbe = Callable[[], tuple[int, int, float, float]]
 
 class WorkerRegistration:
     def __init__(
-        self, redis: Redis, keys: RedisKeys, worker_id: str, model: str, interval_s: float, task: WorkerTask
+        self,
+        redis: Redis,
+        keys: RedisKeys,
+        worker_id: str,
+        model: str,
+        interval_s: float,
+        task: WorkerTask,
+        cpus: list[int] | None = None,
+        sizes_own_threads: bool = False,
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -39,8 +47,11 @@ class WorkerRegistration:
             pid=os.getpid(),
             started_at=time.time(),
             heartbeat_at=time.time(),
+            cpus=cpus or [],
+            sizes_own_threads=sizes_own_threads,
         )
         self._load_probe: LoadProbe = lambda: (0, 0, 0.0, 0.0)
+        self.jobs_probe: Callable[[], int] = lambda: 0  # jobs the queue consumers hold
         self._task: asyncio.Task[None] | None = None
 
     def set_ready(self, max_num_seqs: int, max_model_len: int, load_probe: LoadProbe) -> None:
@@ -71,6 +82,7 @@ class WorkerRegistration:
         info = self.info
         info.heartbeat_at = now
         info.num_running, info.num_waiting, info.prefix_cache_hit_rate, info.kv_cache_usage = self._load_probe()
+        info.num_jobs = self.jobs_probe()
         record = await self._model_record(now)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._keys.worker(info.worker_id), info.model_dump_json(), ex=WORKER_HEARTBEAT_TTL_S)

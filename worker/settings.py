@@ -116,8 +116,9 @@ class WorkerSettings(CommonSettings):
         default=None,
         ge=1,
         description=(
-            "Torch threads for this worker; default: the host's available cores divided by the live workers "
-            "on this host, re-checked as workers come and go."
+            "Torch threads for this worker; default: the cores it may use divided by 1 + the other busy workers "
+            "on the same cores, re-checked every 0.5 s. Given, the worker also takes jobs at once instead of "
+            "pooling with older workers on its cores."
         ),
     )
     log_level: str = Field(default="INFO", description="Python log level.")

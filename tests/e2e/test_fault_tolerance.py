@@ -117,15 +117,24 @@ def test_sigterm_drains_a_worker_and_the_api_lets_open_streams_finish(two_worker
     assert "draining" in worker.log()
 
 
-def test_two_workers_share_the_load(two_workers: Stack) -> None:
+def test_two_workers_share_the_load(redis_url: str, log_dir: Path, tiny_model_path: Path) -> None:
+    """Workers that do not pool (each with its own thread count, as on hosts of their own) both
+    take jobs; two default workers on the same cores pool instead (tests/e2e/test_host_pool.py)."""
     import asyncio
 
     from tests.support.sse_load import run_load
 
-    tally = asyncio.run(run_load(two_workers.base_url, {**BODY, "max_tokens": 40, "stream": True}, 16, 30, 1))
-    assert tally.completed_streams == 16
-    picked = [w.log().count("event=picked") for w in two_workers.workers]
-    assert all(count > 0 for count in picked), picked
+    stack = make_stack(redis_url, log_dir)
+    try:
+        stack.start_api()
+        for _ in range(2):
+            stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=1024, num_threads=1)
+        tally = asyncio.run(run_load(stack.base_url, {**BODY, "max_tokens": 40, "stream": True}, 16, 30, 1))
+        assert tally.completed_streams == 16
+        picked = [w.log().count("event=picked") for w in stack.workers]
+        assert all(count > 0 for count in picked), picked
+    finally:
+        stack.stop()
 
 
 def test_requests_are_routed_by_model(redis_url: str, log_dir: Path, tiny_model_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -14,10 +15,12 @@ from shared.events import DeltaEvent, EndEvent, ErrorEvent, StartEvent, UsageCou
 from shared.job_lifecycle import (
     AppendRequest,
     AppendStatus,
+    Claim,
     EventAppender,
     JobLifecycle,
     JobQueueFull,
     JobState,
+    NotYet,
     TenantJobsFull,
 )
 from shared.redis_keys import JOB_MAX_ATTEMPTS, RedisKeys
@@ -118,6 +121,29 @@ async def test_appends_are_written_once_in_order_and_the_final_one_ends_the_job(
     record = await lifecycle.record("j1")
     assert record is not None and record.state is JobState.FINISHED
     assert await lifecycle.running_job_ids() == []
+
+
+async def test_a_claim_with_a_wait_takes_only_jobs_queued_that_long(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, _, keys = env
+    await _queued(lifecycle, keys)
+    not_yet = await lifecycle.claim(keys.queue("m"), "younger", "i2", min_wait_s=0.3)
+    assert isinstance(not_yet, NotYet) and 0.2 < not_yet.ready_in_s <= 0.3
+    record = await lifecycle.record("j1")
+    assert record is not None and record.state is JobState.QUEUED
+    await asyncio.sleep(not_yet.ready_in_s + 0.01)
+    claim = await lifecycle.claim(keys.queue("m"), "younger", "i2", min_wait_s=0.3)
+    assert isinstance(claim, Claim) and claim.job_id == "j1"
+    assert await lifecycle.claim(keys.queue("m"), "younger", "i2", min_wait_s=0.3) is None  # empty queue
+
+
+async def test_a_job_handed_back_is_old_enough_for_any_claimer(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, _, keys = env
+    await _queued(lifecycle, keys)
+    first = await lifecycle.claim(keys.queue("m"), "w1", "i1")
+    assert isinstance(first, Claim)
+    assert await lifecycle.requeue("j1", first.epoch)
+    again = await lifecycle.claim(keys.queue("m"), "w2", "i2", min_wait_s=60)
+    assert isinstance(again, Claim) and (again.job_id, again.epoch) == ("j1", 2)
 
 
 async def test_a_gap_in_the_log_is_reported_with_where_to_resend_from(env) -> None:  # type: ignore[no-untyped-def]
