@@ -82,6 +82,7 @@ class _Chunk:
 
     def __init__(self, token_ids: list[int]) -> None:
         self.prefill_token_ids, self.slot = token_ids, 0
+        self.shared_prefix, self.shared_len = None, 0  # it reads no shared prompt prefix
 
 
 def perplexity(loaded: LoadedModel, text: str) -> float:

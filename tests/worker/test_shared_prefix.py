@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from shared.events import DeltaEvent
@@ -17,6 +19,7 @@ from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine
 from worker.engine.kv_cache import KVCacheLayout, SlotKVCache, is_lazily_backed
 from worker.engine.model_runner import ModelRunner
+from worker.engine.prefix_cache import block_hashes, extend_block_hashes
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import PrefillChunk
 from worker.engine.sequence import EngineRequest, SequenceStatus
@@ -306,3 +309,21 @@ def test_random_traffic_over_shared_prefixes_keeps_the_books_and_the_text(native
             assert prefixes.idle.num_used <= prefixes.idle.num_blocks
             assert prefixes.stats.num_hit_tokens > 0
     assert texts[True] == texts[False]
+
+
+@given(
+    tokens=st.lists(st.integers(0, 50), max_size=200),
+    steps=st.lists(st.integers(0, 7), min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 4, 32]),
+)
+def test_block_hashes_extended_in_steps_equal_those_hashed_at_once(
+    tokens: list[int], steps: list[int], block_size: int
+) -> None:
+    """A sequence keeps its block hashes and extends them as its tokens grow (the scheduler asks
+    for a waiting prompt's at every step): the result is what hashing everything at once gives."""
+    known: list[int] = []
+    num_blocks = 0
+    for step in steps:
+        num_blocks = min(num_blocks + step, len(tokens) // block_size)
+        extend_block_hashes(known, tokens, num_blocks, block_size)
+        assert known == block_hashes(tokens, num_blocks, block_size)

@@ -31,11 +31,18 @@ class PrefixCacheStats:
 
 
 def block_hashes(token_ids: list[int], num_blocks: int, block_size: int = BLOCK_SIZE) -> list[int]:
-    hashes, previous = [], 0
-    for index in range(num_blocks):
+    hashes: list[int] = []
+    extend_block_hashes(hashes, token_ids, num_blocks, block_size)
+    return hashes
+
+
+def extend_block_hashes(hashes: list[int], token_ids: list[int], num_blocks: int, block_size: int) -> None:
+    """Append the chained hashes of blocks ``len(hashes)..num_blocks-1`` of ``token_ids`` (whose
+    earlier blocks ``hashes`` already holds)."""
+    previous = hashes[-1] if hashes else 0
+    for index in range(len(hashes), num_blocks):
         previous = hash((previous, *token_ids[index * block_size : (index + 1) * block_size]))
         hashes.append(previous)
-    return hashes
 
 
 class PrefixCache:

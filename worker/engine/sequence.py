@@ -105,6 +105,9 @@ class Sequence:
         self.chain: PrefixSlot | None = None
         self.chain_len = 0
         self.chain_hash = 0  # the hash of its last block there: is the chain still its own?
+        # Chained hashes of its first full blocks (shared_prefix.py): its tokens only ever grow at
+        # the end (prompt, then outputs), so a waiting prompt is hashed once, not at every step.
+        self.block_hashes: list[int] = []
         self.admit_order = 0  # when it was last admitted: the newest is preempted first
         self.num_preemptions = 0
         self.finish_reason: str | None = None

@@ -4,7 +4,7 @@ decoder on the CPU.
 Agents and batch jobs send the same long system prompt and tool list with every request. A
 prefix slot (``kv_cache.py``) holds one chain of full blocks (32 tokens, or a KV block where
 that is longer) from position 0, named
-block by block by chained hashes (``prefix_cache.block_hashes``). A new sequence attaches to the
+block by block by chained hashes (``prefix_cache.extend_block_hashes``). A new sequence attaches to the
 longest cached chain its prompt begins with: it reads those positions from the prefix slot
 (``worker/native/shared_attention.py``) and holds only its own tokens after them, so 32
 requests sharing a 2,000-token system prompt hold it once.
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from worker.engine.kv_blocks import KVBlockBudget
 from worker.engine.kv_cache import SlotKVCache
-from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCacheStats, block_hashes
+from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCacheStats, extend_block_hashes
 from worker.engine.sequence import Sequence
 
 
@@ -83,7 +83,7 @@ class SharedPrefixes:
     def match(self, seq: Sequence) -> PrefixMatch | None:
         """The longest cached chain ``seq``'s prefill begins with, leaving a token to compute."""
         tokens = seq.prefill_token_ids
-        hashes = self._hashes(tokens, (len(tokens) - 1) // self.block_size)
+        hashes = self._hashes(seq, tokens, (len(tokens) - 1) // self.block_size)
         for index in range(len(hashes) - 1, -1, -1):
             holders = self._holders.get(hashes[index])
             if holders:
@@ -165,7 +165,7 @@ class SharedPrefixes:
         end = min(num_computed, len(tokens)) // self.block_size * self.block_size
         if seq.slot is None or end <= seq.shared_len:
             return
-        hashes = self._hashes(tokens, end // self.block_size)
+        hashes = self._hashes(seq, tokens, end // self.block_size)
         chain = seq.chain if seq.chain is not None and self._holds(seq.chain, seq) else None
         if chain is not None:
             num_chain_blocks = len(chain.hashes)
@@ -287,8 +287,11 @@ class SharedPrefixes:
         index = seq.chain_len // self.block_size - 1
         return 0 <= index < len(chain.hashes) and chain.hashes[index] == seq.chain_hash
 
-    def _hashes(self, tokens: list[int], num_blocks: int) -> list[int]:
-        return block_hashes(tokens, num_blocks, self.block_size)
+    def _hashes(self, seq: Sequence, tokens: list[int], num_blocks: int) -> list[int]:
+        """The chained hashes of ``tokens``' first ``num_blocks`` blocks; ``tokens`` are ``seq``'s
+        (prompt, then outputs), so the hashes it already has stay valid and only new blocks are hashed."""
+        extend_block_hashes(seq.block_hashes, tokens, num_blocks, self.block_size)
+        return seq.block_hashes[:num_blocks]
 
     def _touch(self, prefix: PrefixSlot) -> None:
         self._clock += 1
