@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -153,10 +154,25 @@ def running_stack(args: argparse.Namespace, dtype: str, max_num_seqs: int) -> It
             max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory_gib=4, log_level="WARNING",
         )  # fmt: skip
+        wait_for_compiled_decode(stack)
         yield stack.base_url
     finally:
         stack.stop()
         redis.stop()
+
+
+def wait_for_compiled_decode(stack: Stack, timeout_s: float = 900.0) -> None:
+    """Measure the worker as it serves once warm: its one-row decode step compiled (built in the
+    background at a model's first start, loaded from the cache after)."""
+    began = time.monotonic()
+    worker_id = f"{stack.key_prefix}-worker0"
+    while time.monotonic() - began < timeout_s:
+        info = stack.worker_info(worker_id)
+        if info is not None and info.compiled_decode != "building":
+            print(f"  compiled decode step: {info.compiled_decode} after {time.monotonic() - began:.1f} s", flush=True)
+            return
+        time.sleep(0.5)
+    print("  compiled decode step: still building; measuring the eager step", flush=True)
 
 
 def sweep(label: str, concurrencies: list[int], run: Callable[[int], list[StreamTrace]]) -> list[RunSummary]:

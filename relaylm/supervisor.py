@@ -87,6 +87,7 @@ class Supervisor:
         self.children = {role: _Child(role) for role in ("worker", "api")}
         self._env: dict[str, str] = {}
         self._is_announced = False
+        self._is_compile_announced = False
         self._is_spawning = False
         self._is_stop_requested = False
         self._stopping = False
@@ -163,7 +164,7 @@ class Supervisor:
                 child.num_restarts += 1
                 self._launch(child)
                 if child.role == "worker":
-                    self._is_announced = False  # announce again once the new worker is ready
+                    self._is_announced = self._is_compile_announced = False  # again for the new worker
                 print(f"relaylm serve: the {child.role} restarted (pid {self._pid(child.role)})", flush=True)
             return
         assert child.popen is not None
@@ -179,19 +180,32 @@ class Supervisor:
         )
 
     def _announce_when_ready(self) -> None:
-        if self._is_announced or not self._worker_is_ready():
+        if self._is_announced and self._is_compile_announced:
             return
-        self._is_announced = True
-        base = f"http://{self.api_settings.host}:{self.api_settings.port}"
-        print(f"relaylm serve: ready — model '{self.worker_settings.model_id}' at {base}/v1", flush=True)
+        info = self._ready_worker()
+        if info is None:
+            return
+        if not self._is_announced:
+            self._is_announced = True
+            base = f"http://{self.api_settings.host}:{self.api_settings.port}"
+            print(f"relaylm serve: ready — model '{self.worker_settings.model_id}' at {base}/v1", flush=True)
+            if info.compiled_decode == "building":
+                print("relaylm serve: compiling one stream's decode step in the background "
+                      "(~1 min at a model's first start; the eager step serves meanwhile)", flush=True)  # fmt: skip
+        if not self._is_compile_announced and info.compiled_decode in ("ready", "failed", "off"):
+            self._is_compile_announced = True
+            if info.compiled_decode != "off":
+                outcome = "compiled" if info.compiled_decode == "ready" else "not compiled (see the worker's log)"
+                print(f"relaylm serve: one stream's decode step {outcome}", flush=True)
 
-    def _worker_is_ready(self) -> bool:
-        """Read the registry directly (polling /ready would fill the API's access log). Only the
-        current worker counts: a killed one's record says "ready" until its TTL runs out."""
+    def _ready_worker(self) -> WorkerInfo | None:
+        """The current worker's registry record once it is ready. Read from the registry directly
+        (polling /ready would fill the API's access log). Only the current worker counts: a killed
+        one's record says "ready" until its TTL runs out."""
         assert self.redis is not None
         worker = self.children["worker"]
         if not worker.is_running:
-            return False
+            return None
         keys, model = self.worker_settings.keys, self.worker_settings.model_id
         try:
             client = redis.Redis.from_url(self.redis.url, socket_timeout=1)
@@ -201,9 +215,9 @@ class Supervisor:
             finally:
                 client.close()
         except redis.RedisError:
-            return False
+            return None
         infos = [WorkerInfo.model_validate_json(raw) for raw in records if raw]
-        return any(info.state == "ready" and info.pid == self._pid("worker") for info in infos)
+        return next((i for i in infos if i.state == "ready" and i.pid == self._pid("worker")), None)
 
     def _on_signal(self, _signum: int, _frame: object) -> None:
         if self._stopping:

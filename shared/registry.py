@@ -32,6 +32,9 @@ class WorkerInfo(BaseModel):
     kv_cache_usage: float = Field(default=0.0, description="Share of the KV budget's blocks held (0-1).")
     num_jobs: int = Field(default=0, description="Jobs its queue consumers hold; with none it leaves its cores.")
     cpus: list[int] = Field(default_factory=list, description="The CPUs it may run on (its affinity); empty: unknown.")
+    compiled_decode: str = Field(
+        default="off", description="One stream's compiled decode step: off, building, ready or failed."
+    )
     sizes_own_threads: bool = Field(
         default=False, description="Its torch threads follow its share of the cores (no --num-threads given)."
     )

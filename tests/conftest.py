@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,11 @@ from tests.support.redis_server import start_test_redis
 from tests.support.stack import Stack
 
 TINY_MODEL = "tiny-random"
+
+# Every worker the tests start would otherwise compile its one-row decode step in a background
+# process (tens of seconds of both cores each). The tests that exercise it ask for it:
+# tests/worker/test_compiled_decode.py.
+os.environ.setdefault("RELAYLM_COMPILE_DECODE", "off")
 
 
 @pytest.fixture(scope="session")

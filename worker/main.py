@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Callable
 
+import torch
 from redis.exceptions import RedisError
 
 from shared.connection import RedisRefused, connect_redis, wait_for_redis
@@ -25,6 +26,8 @@ from worker.host_pool import HostPool
 from worker.job_handlers import EmbeddingHandler, Engine, GenerationHandler, JobHandler
 from worker.job_runner import JobRunner
 from worker.model_loader import LoadedModel, load_model
+from worker.native.compiled_decode import CompiledDecode, can_compile
+from worker.native.decoder import NativeCausalLM
 from worker.publisher import EventPublisher
 from worker.queue_consumer import QueueConsumer
 from worker.registry import WorkerRegistration
@@ -99,7 +102,27 @@ class WorkerProcess:
             kv_cache_bytes=int(s.kv_cache_memory_gib * 2**30),
             prefix_cache_bytes=int(s.prefix_cache_memory_gib * 2**30),
         )
-        return build_engine(loaded.model, loaded.tokenizer, config, loaded.eos_token_ids, self.publisher.sink)
+        engine = build_engine(loaded.model, loaded.tokenizer, config, loaded.eos_token_ids, self.publisher.sink)
+        self._compile_decode(loaded, engine)
+        return engine
+
+    def _compile_decode(self, loaded: LoadedModel, engine: LLMEngine) -> None:
+        """Start building (or loading) the compiled one-row step (engine thread: its thread count)."""
+        s, model, cache = self.settings, loaded.model, engine.runner.cache
+        if s.compile_decode == "off" or not isinstance(model, NativeCausalLM) or model.device.type != "cpu":
+            return
+        if not can_compile():
+            logger.info("no C++ compiler on PATH: one stream's decode step stays eager")
+            return
+        build_args = [
+            "--model", s.model, "--cache-dir", str(s.cache_dir), "--device", "cpu", "--dtype", s.dtype,
+            "--max-model-len", str(loaded.max_model_len), "--model-impl", s.model_impl,
+            "--quantization", s.quantization, "--num-cache-slots", str(cache.keys[0].shape[0]),
+        ]  # fmt: skip
+        compiled = CompiledDecode(model, cache, s.cache_dir, build_args)
+        engine.runner.compiled = compiled
+        self.registration.compile_probe = lambda: compiled.state.value
+        compiled.start(torch.get_num_threads())
 
     def _load_embedder(self) -> LoadedEmbedder:
         return load_embedder(self.settings.model, self.settings.device, self.settings.dtype)

@@ -7,7 +7,7 @@ architecture transformers implements with ``update()``-style caches works.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -16,6 +16,9 @@ from worker.engine.model_config import text_config
 from worker.engine.scheduler import PrefillChunk
 from worker.engine.sequence import Sequence
 from worker.native.decoder import NativeCausalLM
+
+if TYPE_CHECKING:
+    from worker.native.compiled_decode import CompiledDecode
 
 SharedPrefix = tuple[int, int]  # (prefix slot, length) a row reads before its own keys; length 0: none
 NO_PREFIX: SharedPrefix = (-1, 0)
@@ -62,6 +65,7 @@ class ModelRunner:
         config = text_config(model.config)
         self.vocab_size: int = config.vocab_size
         self._logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
+        self.compiled: CompiledDecode | None = None  # one stream's step, compiled (set by the worker)
 
     @torch.inference_mode()
     def decode(
@@ -70,8 +74,12 @@ class ModelRunner:
         """Rows ``0..len(token_ids)-1``: one token each at ``positions``; returns [rows, vocab] fp32.
         ``prefixes``: each row's shared prefix (``(prefix slot, length)``; length 0: none)."""
         device = self.device
-        position_t = torch.tensor(positions, dtype=torch.long, device=device)
         kv_len = max(positions) + 1
+        compiled = self.compiled
+        reads_prefix = any(length for _, length in prefixes or ())
+        if compiled is not None and not reads_prefix and compiled.runs(len(token_ids), kv_len):
+            return self._softcapped(compiled(token_ids[0], positions[0]))
+        position_t = torch.tensor(positions, dtype=torch.long, device=device)
         read_start, groups, own_start = self._shared_groups(prefixes)
         self.cache.begin_decode(len(token_ids), position_t, kv_len, read_start, groups)
         key_positions = torch.arange(read_start, kv_len, device=device)
@@ -137,7 +145,9 @@ class ModelRunner:
         return self.forward.hidden_states(input_ids, position_ids, mask, self.cache)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.forward.logits(hidden).float()
+        return self._softcapped(self.forward.logits(hidden).float())
+
+    def _softcapped(self, logits: torch.Tensor) -> torch.Tensor:
         if self._logit_softcap:
             logits = torch.tanh(logits / self._logit_softcap) * self._logit_softcap
         return logits
