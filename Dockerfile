@@ -3,6 +3,8 @@ FROM python:3.11-slim
 ARG TORCH=cpu
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 WORKDIR /app
+# A C++ compiler: the worker compiles one stream's decode step (--compile-decode auto).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 COPY scripts/install-torch.sh scripts/install-torch.sh
 RUN RELAYLM_TORCH=$TORCH scripts/install-torch.sh python
 COPY pyproject.toml README.md ./

@@ -24,10 +24,13 @@ Why this shape:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -46,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 BUILD_TIMEOUT_S = 900.0
 _BUILD_NICENESS = 10
+_PR_SET_PDEATHSIG = 1
 # inductor's own settings: casts kept where eager rounds (logits then agree with the eager step
 # to bf16 rounding), weights folded in as constants.
 _INDUCTOR_CONFIGS = {"emulate_precision_casts": True, "freezing": True}
@@ -214,7 +218,12 @@ class CompiledDecode:
 
 
 def _lower_priority() -> None:
-    os.nice(_BUILD_NICENESS)  # serving goes first; the build takes what is left
+    """In the build process before it runs: serving goes first, the build takes what is left; and
+    on Linux it is killed with the worker (a SIGKILLed worker leaves no build running)."""
+    os.nice(_BUILD_NICENESS)
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _main() -> None:
