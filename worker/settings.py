@@ -15,7 +15,7 @@ from shared.settings import CommonSettings
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _default_cache_dir() -> Path:
+def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "relaylm"
 
@@ -83,7 +83,7 @@ class WorkerSettings(CommonSettings):
     compile_decode: Literal["auto", "off"] = Field(
         default="auto",
         description=(
-            "One stream's decode step compiled ahead of time (AOTInductor; ~1.4x faster on CPU): auto builds it "
+            "One stream's decode step compiled ahead of time (AOTInductor; ~1.3x faster on CPU): auto builds it "
             "in a background process at the first start of a model (the worker serves eagerly meanwhile), "
             "caches it under --cache-dir and loads it at later starts; CPU, native forward, C++ compiler only. "
             "off: the eager step only."
@@ -102,7 +102,7 @@ class WorkerSettings(CommonSettings):
         default=False, description="Offer tools to models whose template has none, with hermes instructions."
     )
     cache_dir: Path = Field(
-        default_factory=_default_cache_dir,
+        default_factory=default_cache_dir,
         description="Where converted models are cached ($XDG_CACHE_HOME/relaylm or ~/.cache/relaylm).",
     )
     worker_id: str = Field(
