@@ -7,7 +7,6 @@ import asyncio
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -77,15 +76,6 @@ def test_a_worker_with_a_fixed_thread_count_takes_jobs_at_once() -> None:
 
 
 # -- HostPool against the registry ------------------------------------------------------------
-@pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
-
-
 async def _register(redis: Redis, keys: RedisKeys, info: WorkerInfo) -> None:
     """Write a registry record as WorkerRegistration.beat does."""
     await redis.set(keys.worker(info.worker_id), info.model_dump_json(), ex=30)

@@ -7,9 +7,7 @@ bug); the Redis, publisher and event log are the real ones.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 
-import pytest
 from redis.asyncio import Redis
 
 from shared.errors import ErrorKind, RelayError
@@ -35,15 +33,6 @@ class _FailingHandler:
 
     def prepare(self, job: AnyJob, resume: ResumeState | None) -> object:
         raise self.error
-
-
-@pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 async def _run_failing_job(redis: Redis, redis_url: str, error: Exception) -> ErrorEvent:
