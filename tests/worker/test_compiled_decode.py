@@ -5,10 +5,13 @@ compiles of the tiny random model; ~1 min in all)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -191,3 +194,32 @@ def test_a_worker_builds_the_step_in_the_background_and_loads_it_at_its_next_sta
         model="compiled-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=20, temperature=0
     )
     assert again.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_a_build_runs_at_low_priority_and_dies_with_its_worker(tiny_model_path: Path, tmp_path: Path) -> None:
+    """A stand-in worker starts a build as CompiledDecode does and is SIGKILLed: the build goes too."""
+    spawn = (
+        "import os, subprocess, sys, time\n"
+        "command = [sys.executable, '-m', 'worker.native.compiled_decode', '--model', sys.argv[1], '--cache-dir',"
+        " sys.argv[2], '--dtype', 'float32', '--max-model-len', '128', '--num-cache-slots', '4', '--num-threads', '1',"
+        " '--out', sys.argv[3], '--parent-pid', str(os.getpid())]\n"
+        "child = subprocess.Popen(command)\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    out = tmp_path / "step.pt2"
+    worker = subprocess.Popen([sys.executable, "-c", spawn, str(tiny_model_path), str(tmp_path), str(out)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert worker.stdout is not None
+        build = psutil.Process(int(worker.stdout.readline()))
+        deadline = time.monotonic() + 60
+        while build.nice() != 10:  # lowered last: its parent-death signal is set by then
+            assert time.monotonic() < deadline and build.is_running()
+            time.sleep(0.05)
+        worker.kill()
+        worker.wait()
+        assert psutil.wait_procs([build], timeout=10)[1] == []
+    finally:
+        worker.kill()
+    assert not out.exists()

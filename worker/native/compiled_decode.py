@@ -208,22 +208,24 @@ class CompiledDecode:
         logger.info("one-row decode step %s in %.1f s (%d threads): %s", how, self.seconds, self.num_threads, path)
 
     def _build(self, path: Path) -> None:
-        command = [sys.executable, "-m", "worker.native.compiled_decode", *self._build_args,
-                   "--num-threads", str(self.num_threads), "--out", str(path)]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
-                                preexec_fn=_lower_priority, check=False)  # fmt: skip
+        command = [sys.executable, "-m", "worker.native.compiled_decode", *self._build_args, "--out", str(path),
+                   "--num-threads", str(self.num_threads), "--parent-pid", str(os.getpid())]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         if result.returncode != 0 or not path.exists():
             tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
             raise RuntimeError(f"the build exited with code {result.returncode}: {' | '.join(tail)}")
 
 
-def _lower_priority() -> None:
-    """In the build process before it runs: serving goes first, the build takes what is left; and
-    on Linux it is killed with the worker (a SIGKILLed worker leaves no build running)."""
-    os.nice(_BUILD_NICENESS)
+def _yield_to(parent_pid: int) -> None:
+    """First thing in the build process: serving goes first and the build takes what is left; on
+    Linux it is killed with its worker (a SIGKILLed worker leaves no build running). Done here, not
+    in a ``preexec_fn``, which is unsafe in the worker's threaded process."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the worker died before the line above took effect
+        raise SystemExit("the worker that asked for this build is gone")
+    os.nice(_BUILD_NICENESS)
 
 
 def _main() -> None:
@@ -242,7 +244,9 @@ def _main() -> None:
     parser.add_argument("--num-cache-slots", type=int, required=True, help="all slots of the KV cache")
     parser.add_argument("--num-threads", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True, help="the worker's: the build dies with it")
     args = parser.parse_args()
+    _yield_to(args.parent_pid)
     torch.set_num_threads(args.num_threads)
     loaded = load_model(args.model, args.cache_dir, args.device, args.dtype, args.max_model_len, args.model_impl,
                         args.quantization)  # fmt: skip
