@@ -70,10 +70,9 @@ class WorkerProcess:
         self.task = resolve_task(settings)
         self.redis = connect_redis(settings.redis_url)
         self.lifecycle = JobLifecycle(self.redis, self.keys)
-        sizes_own_threads = not (settings.num_threads and settings.num_threads > 0)
         self.registration = WorkerRegistration(
             self.redis, self.keys, settings.worker_id, settings.model_id, settings.heartbeat_interval_s, self.task,
-            cpus=cpu_set(), sizes_own_threads=sizes_own_threads,
+            cpus=cpu_set(), sizes_own_threads=settings.num_threads is None,
         )  # fmt: skip
         self.publisher = EventPublisher(settings.redis_url, self.keys)
         # Before the model loads: this worker's share of the host's cores (refined once registered).

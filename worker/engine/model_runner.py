@@ -76,8 +76,7 @@ class ModelRunner:
         device = self.device
         kv_len = max(positions) + 1
         compiled = self.compiled
-        reads_prefix = any(length for _, length in prefixes or ())
-        if compiled is not None and not reads_prefix and compiled.runs(len(token_ids), kv_len):
+        if compiled is not None and compiled.runs(len(token_ids), kv_len) and not any(n for _, n in prefixes or ()):
             return self._softcapped(compiled(token_ids[0], positions[0]))
         position_t = torch.tensor(positions, dtype=torch.long, device=device)
         read_start, groups, own_start = self._shared_groups(prefixes)

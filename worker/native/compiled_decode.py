@@ -99,14 +99,13 @@ class OneRowStep(nn.Module):
         return self.model.logits(hidden[:, 0]).float()
 
 
-def step_inputs(cache: SlotKVCache, token_id: int, position: int) -> tuple[torch.Tensor, ...]:
-    return (
-        torch.tensor([[token_id]]),
-        torch.tensor([[position]]),
-        torch.empty(position + 1, dtype=torch.uint8),
-        *cache.keys,
-        *cache.values,
-    )
+def step_inputs(kv: tuple[torch.Tensor, ...], token_id: int, position: int) -> tuple[torch.Tensor, ...]:
+    """The package's inputs; ``kv`` is ``kv_inputs(cache)``, the same tensors at every step."""
+    return (torch.tensor([[token_id]]), torch.tensor([[position]]), torch.empty(position + 1, dtype=torch.uint8), *kv)
+
+
+def kv_inputs(cache: SlotKVCache) -> tuple[torch.Tensor, ...]:
+    return (*cache.keys, *cache.values)
 
 
 def build_package(model: NativeCausalLM, cache: SlotKVCache, path: Path) -> None:
@@ -114,7 +113,7 @@ def build_package(model: NativeCausalLM, cache: SlotKVCache, path: Path) -> None
     length = torch.export.Dim("length", min=2, max=cache.max_model_len - 1)
     dynamic = (None, None, {0: length}, tuple(None for _ in range(2 * len(cache.keys))))
     with torch.inference_mode():
-        exported = torch.export.export(OneRowStep(model), step_inputs(cache, 0, 1), dynamic_shapes=dynamic,
+        exported = torch.export.export(OneRowStep(model), step_inputs(kv_inputs(cache), 0, 1), dynamic_shapes=dynamic,
                                        strict=False)  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
@@ -153,6 +152,7 @@ class CompiledDecode:
         same model (``--model ... --dtype ...``); the package path and thread count are added."""
         self._model = model
         self._cache = cache
+        self._kv = kv_inputs(cache)  # the slot cache's tensors never change: built once, not per step
         self._dir = cache_dir / "compiled"
         self._build_args = build_args
         self.state = CompileState.OFF
@@ -187,7 +187,7 @@ class CompiledDecode:
     def __call__(self, token_id: int, position: int) -> torch.Tensor:
         """fp32 logits ``[1, vocab]`` of the row in slot 0, writing its key and value at ``position``."""
         self.num_steps += 1
-        return self._runner(*step_inputs(self._cache, token_id, position))  # type: ignore[no-any-return]
+        return self._runner(*step_inputs(self._kv, token_id, position))  # type: ignore[no-any-return]
 
     def _prepare(self) -> None:
         began = time.monotonic()
