@@ -7,8 +7,9 @@ No sampling, engine loop, API or Redis: this is the floor a single stream's step
 difference between one and two threads shows how much of the step does not parallelise (the
 per-call cost of many small torch ops and Python). ``--compiled`` also times the same step as
 the worker's AOTInductor package (``worker/native/compiled_decode.py``; built here the first time,
-~40 s, and cached under ~/.cache/relaylm/compiled), alternating three runs of each with the eager
-step. Prints a table; writes bench/results/decode_step.json.
+~40 s, and cached under ~/.cache/relaylm/compiled): first how often a fixed walk of 99 tokens
+takes the eager step's greedy argmax, then three alternated timing runs of each. Prints a table;
+writes bench/results/decode_step.json.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from worker.settings import default_cache_dir
 
 RESULTS = Path(__file__).parent / "results" / "decode_step.json"
 WARMUP_STEPS = 50
+AGREEMENT_STEPS = 99
 
 
 def step_ms(runner: ModelRunner, start: int, steps: int) -> float:
@@ -56,17 +58,28 @@ def compiled_vs_eager(model: NativeCausalLM, layout: KVCacheLayout, threads: int
     compiled._runner, compiled.num_threads = torch._inductor.aoti_load_package(str(path)), threads
     compiled.state = CompileState.READY
     runners["compiled"].compiled = compiled
-    timings: dict[str, list[float]] = {"eager": [], "compiled": []}
     for runner in runners.values():
         runner.prefill([PrefillChunk(_Chunk([1]), 0, 1)])  # type: ignore[arg-type]
-        step_ms(runner, 1, WARMUP_STEPS)
+    # Agreement first: the same walk of AGREEMENT_STEPS tokens through both, argmax by argmax.
+    agreed, max_diff = 0, 0.0
+    for position in range(1, 1 + AGREEMENT_STEPS):
+        token = 5 + position % 50
+        eager_logits, compiled_logits = (runner.decode([token], [position]) for runner in runners.values())
+        agreed += int(eager_logits.argmax() == compiled_logits.argmax())
+        max_diff = max(max_diff, float((eager_logits - compiled_logits).abs().max()))
+    print(f"    greedy argmax agreement with the eager step: {agreed}/{AGREEMENT_STEPS} (max |dlogit| {max_diff:.3f})")
+    start = 1 + AGREEMENT_STEPS
+    timings: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for runner in runners.values():
+        step_ms(runner, start, WARMUP_STEPS)
     for run in range(3):
         for label, runner in runners.items():
-            timings[label].append(step_ms(runner, 1 + WARMUP_STEPS + run * steps, steps))
+            timings[label].append(step_ms(runner, start + WARMUP_STEPS + run * steps, steps))
     eager, fast = statistics.median(timings["eager"]), statistics.median(timings["compiled"])
     print(f"    eager {eager:.2f} ms, compiled {fast:.2f} ms per step (medians of 3): {eager / fast:.2f}x")
     return {"eager_step_ms_runs": timings["eager"], "compiled_step_ms_runs": timings["compiled"],
-            "compiled_speedup": eager / fast}  # fmt: skip
+            "compiled_speedup": eager / fast, "argmax_agreement": f"{agreed}/{AGREEMENT_STEPS}",
+            "max_abs_logit_diff": max_diff}  # fmt: skip
 
 
 def main() -> None:

@@ -83,7 +83,7 @@ class WorkerSettings(CommonSettings):
     compile_decode: Literal["auto", "off"] = Field(
         default="auto",
         description=(
-            "One stream's decode step compiled ahead of time (AOTInductor; ~1.3x faster on CPU): auto builds it "
+            "One stream's decode step compiled ahead of time (AOTInductor; 1.3–1.5x faster on CPU): auto builds it "
             "in a background process at the first start of a model (the worker serves eagerly meanwhile), "
             "caches it under --cache-dir and loads it at later starts; CPU, native forward, C++ compiler only. "
             "off: the eager step only."

@@ -3,7 +3,7 @@ and cached on disk, so a single stream does not pay torch's per-operation cost.
 
 Why: a one-row decode step of the default model is ~1,500 small torch calls; their dispatch and
 Python cost, not the arithmetic, is most of the step. Compiled with AOTInductor the step is one
-C++ call with fused kernels: ~1.3x faster on a 2-core CPU (`python -m bench.decode_step_probe --compiled`).
+C++ call with fused kernels: 1.3–1.5x faster on a 2-core CPU (`python -m bench.decode_step_probe --compiled`).
 
 Why this shape:
 - **Ahead of time, in another process.** Compiling takes ~40 s of two cores for the default
