@@ -90,7 +90,10 @@ class WorkerProcess:
 
     def _load(self) -> LoadedModel:
         s = self.settings
-        return load_model(s.model, s.cache_dir, s.device, s.dtype, s.max_model_len, s.model_impl, s.quantization)
+        return load_model(
+            s.model, s.cache_dir, s.device, s.dtype, s.max_model_len, s.model_impl, s.quantization,
+            deterministic=s.deterministic == "on",
+        )  # fmt: skip
 
     def _build(self, loaded: LoadedModel) -> LLMEngine:
         s = self.settings
@@ -109,6 +112,10 @@ class WorkerProcess:
         """Start building (or loading) the compiled one-row step (engine thread: its thread count)."""
         s, model, cache = self.settings, loaded.model, engine.runner.cache
         if s.compile_decode == "off" or not isinstance(model, NativeCausalLM) or model.device.type != "cpu":
+            return
+        if s.deterministic == "on":
+            # Alone, a row would run the compiled kernels; in a batch, the eager ones: other bits.
+            logger.info("--deterministic on: one stream's decode step stays eager (not compiled)")
             return
         if not can_compile():
             logger.info("no C++ compiler on PATH: one stream's decode step stays eager")

@@ -24,6 +24,7 @@ import torch
 
 from worker.engine.model_config import text_config
 from worker.named_models import NAMED_MODELS, NamedModelError, assemble_gguf
+from worker.native.decoder import NativeCausalLM
 from worker.native.gguf_groups import GROUPS_FILE, extract_int4_groups, load_groups, save_groups
 from worker.native.loader import load_native
 from worker.native.quantize import PACKED_MAX_ROWS, Quantization, quantize
@@ -252,7 +253,12 @@ def _load_transformers_model(source: str, dtype: torch.dtype, device: torch.devi
 
 
 def _load_forward(
-    source: str, model_impl: str, dtype: torch.dtype, device: torch.device, quantization: Quantization = "auto"
+    source: str,
+    model_impl: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: Quantization = "auto",
+    deterministic: bool = False,
 ) -> tuple[torch.nn.Module, object]:
     if model_impl != "transformers":
         try:
@@ -270,17 +276,34 @@ def _load_forward(
             # Only the int4 modes read them (a file of ~40 % of the weights' own size).
             groups = load_groups(Path(source)) if quantization in ("auto", "int4") else {}
             try:
-                applied = quantize(forward, quantization, groups)
+                applied = quantize(forward, quantization, groups, every_row=deterministic)
             except ValueError as exc:
                 raise ModelLoadError(str(exc)) from exc
             if applied != "none":
                 exact = f", {len(groups)} weights as the GGUF's 4-bit groups" if groups and applied == "int4" else ""
-                logger.info("weights quantized: %s copies for matmuls of up to %d rows, int8 head%s "
-                            "(--quantization %s)", applied, PACKED_MAX_ROWS, exact, quantization)  # fmt: skip
+                rows = "every matmul" if deterministic else f"matmuls of up to {PACKED_MAX_ROWS} rows"
+                logger.info("weights quantized: %s copies for %s, int8 head%s (--quantization %s)",
+                            applied, rows, exact, quantization)  # fmt: skip
+            _set_deterministic(forward, deterministic)
             return forward, read_eos_token_ids(Path(source))
     elif quantization not in ("none", "auto"):
         raise ModelLoadError(f"--quantization {quantization} needs the native forward, not --model-impl transformers")
+    if deterministic:
+        logger.warning("--deterministic on holds for the native forward only: with transformers' forward a "
+                       "request's text may depend on the batch it shares")  # fmt: skip
     return _load_transformers_model(source, dtype, device)
+
+
+def _set_deterministic(model: NativeCausalLM, deterministic: bool) -> None:
+    """Batch-invariant numerics (``worker/native/batch_invariant.py``) where they hold: bf16 on the CPU."""
+    holds = model.dtype == torch.bfloat16 and model.device.type == "cpu"
+    model.set_batch_invariant(deterministic and holds)
+    if deterministic and not holds:
+        logger.warning("--deterministic on holds for bfloat16 on the CPU only; this model runs %s on %s, "
+                       "so a request's text may depend on the batch it shares", model.dtype, model.device)  # fmt: skip
+    elif deterministic:
+        logger.info("deterministic numerics: a request's text does not depend on the batch, the prefix cache "
+                    "or prefill chunking (--deterministic on)")  # fmt: skip
 
 
 def load_model(
@@ -291,14 +314,19 @@ def load_model(
     max_model_len: int | None,
     model_impl: str = "auto",
     quantization: Quantization = "auto",
+    deterministic: bool = False,
 ) -> LoadedModel:
+    """``deterministic``: batch-invariant numerics (``--deterministic``; the library call defaults
+    to the faster kernels, the worker's setting to this)."""
     source = resolve_source(model, cache_dir)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     logger.info("loading %s as %s on %s", source, torch_dtype, torch_device)
     try:
         tokenizer = load_tokenizer(source)
-        forward, generation_eos = _load_forward(source, model_impl, torch_dtype, torch_device, quantization)
+        forward, generation_eos = _load_forward(
+            source, model_impl, torch_dtype, torch_device, quantization, deterministic
+        )
     except OSError as exc:
         raise ModelLoadError(f"cannot load model {model!r}: {exc}") from exc
     config = text_config(forward.config)

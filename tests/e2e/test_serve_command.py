@@ -33,11 +33,13 @@ def _wait_for(path: Path, text: str, process: subprocess.Popen[bytes], timeout_s
     raise AssertionError(f"{text!r} never appeared {count} time(s):\n{path.read_text(errors='replace')}")
 
 
-def _start_serve(tiny_model_path: Path, log_path: Path, api_port: int, redis_port: int) -> subprocess.Popen[bytes]:
+def _start_serve(
+    tiny_model_path: Path, log_path: Path, api_port: int, redis_port: int, *extra: str
+) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAYLM_") and k != "REDIS_URL"}
     command = [sys.executable, "-m", "relaylm", "serve", "--port", str(api_port)]
     command += ["--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--model", str(tiny_model_path)]
-    command += ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256"]
+    command += ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256", *extra]
     with log_path.open("wb") as log:
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -73,7 +75,8 @@ def _chat(api_port: int) -> str | None:
 def test_serve_runs_everything_and_ctrl_c_stops_it(tiny_model_path: Path, tmp_path: Path) -> None:
     api_port, redis_port = free_port(), free_port()
     log_path = tmp_path / "serve.log"
-    process = _start_serve(tiny_model_path, log_path, api_port, redis_port)
+    # --deterministic off: the one configuration that compiles one stream's step (announced below).
+    process = _start_serve(tiny_model_path, log_path, api_port, redis_port, "--deterministic", "off")
     try:
         banner = _wait_for(log_path, "relaylm serve: ready", process)
         assert f"redis://127.0.0.1:{redis_port}/0  (started here" in banner
@@ -82,7 +85,7 @@ def test_serve_runs_everything_and_ctrl_c_stops_it(tiny_model_path: Path, tmp_pa
         # redis-server, worker, API (and, while it runs, the worker's compile of its decode step)
         assert len([child for child in children if not _is_decode_build(child)]) == 3
         assert _chat(api_port) in ("stop", "length")
-        if can_compile():  # the default --compile-decode auto: built in the background, then announced
+        if can_compile():  # --compile-decode auto (the default): built in the background, then announced
             _wait_for(log_path, "relaylm serve: one stream's decode step compiled", process, timeout_s=300)
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=45) == 0

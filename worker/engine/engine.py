@@ -276,14 +276,11 @@ class LLMEngine:
             del self._requests[request.request_id]
 
     def _resume_sequence(self, seq: Sequence, sent_token_ids: list[int]) -> None:
-        """Rebuild the text pipeline from the tokens already sent, prefill them after the prompt,
-        and move a seeded generator past the draws they took, so the rest continues as if
-        nothing had happened."""
+        """Rebuild the text pipeline from the tokens already sent and prefill them after the
+        prompt, so the rest continues as if nothing had happened (a seeded draw depends on its
+        position alone, so nothing else needs to catch up)."""
         self.output_processor.replay(seq, sent_token_ids)
         seq.prefill_token_ids = seq.prompt_token_ids + sent_token_ids
-        if seq.generator is not None and not seq.params.is_greedy:
-            for _ in sent_token_ids:  # one draw per token, exactly as the sampler took them
-                torch.rand(1, generator=seq.generator)
 
     def _abort_request(self, command: _Abort) -> None:
         request = self._requests.pop(command.request_id, None)

@@ -1,9 +1,10 @@
 """Batched sampling: every per-row setting lives in a slot-indexed tensor, so one step samples the
 whole batch with tensor ops; Python only loops over the (rare) rows that carry a seed or min_tokens.
 
-Sampling inverts the CDF with one uniform draw per row, so a seeded row consumes exactly one
-number from its own generator per step, and the same seed gives the same tokens whatever else
-is in the batch.
+Sampling inverts the CDF with one uniform draw per row. A seeded row's draw for its ``p``-th
+output token is a hash of ``(seed, p)`` (``seeded_uniform``): it depends on nothing a process
+holds, so the same seed gives the same draws whatever else is in the batch, and a job resumed on
+another worker draws from the position where it resumes exactly what the first worker would have.
 """
 
 from __future__ import annotations
@@ -180,15 +181,15 @@ class Sampler:
         return torch.where(is_greedy, _block_argmax(logits), sampled)
 
     def _inverse_cdf(self, probs: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
-        """One uniform draw per row (from the row's own generator when seeded) against the CDF.
+        """One uniform draw per row (a hash of its seed and position when seeded) against the CDF.
 
         Far cheaper on CPU than a vocabulary of exponential noise, and still batch-invariant.
         ``probs`` need not be normalised.
         """
         uniform = torch.rand(len(seqs), generator=self._unseeded, device=probs.device)
         for row, seq in enumerate(seqs):
-            if seq.generator is not None:
-                uniform[row] = float(torch.rand(1, generator=seq.generator))
+            if seq.seed is not None:
+                uniform[row] = seeded_uniform(seq.seed, len(seq.output_token_ids))
         return _search_cdf(probs, uniform)
 
     def _truncate(self, probs: torch.Tensor, slots: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
@@ -197,6 +198,11 @@ class Sampler:
         A full vocabulary sort costs ~50 ms for 32 rows on two CPU cores; the candidate set
         (at least 256 tokens) almost always holds the top-p mass, and rows where it does not
         fall back to the full sort, so the result is exact either way.
+
+        What is kept is every token at least as probable as the last one top-k and top-p keep
+        (as vLLM keeps ties): it does not depend on how a sort ordered equal probabilities, so
+        a row keeps the same tokens whether its candidates came from the top-k or the full sort,
+        that is, whatever the other rows of its step asked for.
         """
         state = self.state
         min_p = state.min_p[slots, None]
@@ -205,21 +211,39 @@ class Sampler:
         vocab_size = probs.shape[1]
         max_top_k = max((seq.params.top_k for seq in seqs), default=0)
         num_candidates = min(vocab_size, max(_MIN_CANDIDATES, max_top_k))
-        values, ids = probs.topk(num_candidates, dim=-1)
+        values, _ = probs.topk(num_candidates, dim=-1)
         total_mass = probs.sum(dim=-1)
         short = (values.sum(dim=-1) < top_p * total_mass) & (top_k <= 0)
         if bool(short.any()):
-            values, ids = probs.sort(dim=-1, descending=True)
+            values, _ = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(values.shape[1], device=probs.device)[None, :]
         k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab_size))
         keep = ranks < k[:, None]
         mass_before = (values * keep).cumsum(dim=-1) - values
         keep &= mass_before < top_p[:, None] * total_mass[:, None]
         keep[:, 0] = True
-        truncated = torch.zeros_like(probs).scatter(1, ids, values * keep)
+        cutoff = torch.where(keep, values, torch.full_like(values, float("inf"))).amin(dim=-1)
+        truncated = probs.masked_fill(probs < cutoff[:, None], 0.0)
         # Rows that asked for neither top-k nor top-p keep their whole (min-p) distribution.
         is_untruncated = (top_k <= 0) & (top_p >= 1.0)
         return torch.where(is_untruncated[:, None], probs, truncated)
+
+
+_MASK64 = 2**64 - 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers whose outputs look independent."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform draw in [0, 1) for output position ``position`` of a row keyed ``seed``: 24 bits,
+    so float32 holds it exactly."""
+    return (_mix64(_mix64(seed) ^ position) >> 40) / 2**24
 
 
 def _block_reduce(values: torch.Tensor, reduce: Callable[..., torch.Tensor]) -> torch.Tensor:

@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-import torch
-
 from shared.events import StartEvent
 from worker.engine.detokenizer import Decoder, IncrementalDetokenizer
 from worker.engine.sampling_params import SamplingParams
@@ -115,9 +113,8 @@ class Sequence:
         self.stop_checker = StopStringChecker(self.params.stop_strings + self.params.markup_stop_strings)
         self.pipeline = request.make_pipeline() if request.make_pipeline is not None else None
         self.matcher = request.constraint.new_matcher() if request.constraint is not None else None
-        self.generator: torch.Generator | None = None
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed((self.params.seed + index) % 2**64)
+        # The key of its random draws (``sampler.seeded_uniform``): each choice of a seeded request its own.
+        self.seed: int | None = None if self.params.seed is None else (self.params.seed + index) % 2**64
 
     @property
     def num_prompt_tokens(self) -> int:

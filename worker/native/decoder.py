@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.kv_cache import SharedGroup
+from worker.native import batch_invariant
 from worker.native.shared_attention import attend_with_prefixes
 from worker.native.spec import DecoderSpec
 
@@ -35,12 +36,16 @@ class Linear(nn.Module):
     checkpoint, and initialising on the meta device pulls in torch's decomposition machinery
     (~2 s of imports)."""
 
+    batch_invariant = False  # set per instance by NativeCausalLM.set_batch_invariant
+
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return batch_invariant.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -87,6 +92,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class Attention(nn.Module):
+    batch_invariant = False  # set per instance by NativeCausalLM.set_batch_invariant
+
     def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -127,6 +134,9 @@ class Attention(nn.Module):
         query, key = query_and_key[:, : self.num_heads], query_and_key[:, self.num_heads :]
         value = qkv[:, :, self.num_heads + self.num_kv_heads :].transpose(1, 2)
         key, value = cache.update(key, value, self.layer_idx)
+        if self.batch_invariant:
+            out = self._attend_invariant(query, key, value, mask)
+            return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
         if cache.shared_groups:
             out = self._attend_with_prefixes(query, key, value, mask, cache)
             return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
@@ -144,6 +154,18 @@ class Attention(nn.Module):
                 value = value.repeat_interleave(self.group_size, dim=1)
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
+
+    def _attend_invariant(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Every step's attention, decode or prefill, computed one way (``batch_invariant.py``);
+        ``[rows, heads, q, dim]``."""
+        rows, _, query_len, _ = query.shape
+        grouped = query.reshape(rows, self.num_kv_heads, self.group_size * query_len, self.head_dim)
+        if mask is not None and query_len > 1 and self.group_size > 1:
+            mask = mask.repeat(1, 1, self.group_size, 1)
+        out = batch_invariant.attention(grouped, key, value, mask, self.scale)
+        return out.reshape(rows, self.num_heads, query_len, self.head_dim)
 
     def _attend_with_prefixes(
         self,
@@ -215,7 +237,11 @@ class NativeCausalLM(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
         # A module that computes the logits in place of the (tied) head weight: the quantized head.
         self.head: nn.Module | None = None
+        self.batch_invariant = False
         self.inv_freq: torch.Tensor = torch.empty(0)
+        # cos and [-sin, sin] of every position, [positions, head_dim] (see ``set_rope``).
+        self.rope_cos: torch.Tensor = torch.empty(0)
+        self.rope_signed_sin: torch.Tensor = torch.empty(0)
 
     @property
     def device(self) -> torch.device:
@@ -225,11 +251,27 @@ class NativeCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
-    def set_rope(self, device: torch.device) -> None:
-        """RoPE frequencies, computed (not loaded) as transformers computes them."""
+    def set_rope(self, device: torch.device, max_positions: int | None = None) -> None:
+        """RoPE frequencies, computed (not loaded) as transformers computes them, and their cos
+        and sin for every position up to ``max_positions`` (default: the model's maximum) as a
+        table: a position's values are then looked up, the same bits whichever row or chunk of
+        a step it falls in (computed per step, an element could land in a kernel's scalar tail)."""
         dim = self.config.head_dim
         exponents = torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim
         self.inv_freq = 1.0 / (self.config.rope_theta**exponents)
+        positions = max_positions or self.config.max_position_embeddings
+        freqs = torch.arange(positions, dtype=torch.float, device=device)[:, None] * self.inv_freq
+        sin = freqs.sin()
+        self.rope_cos = torch.cat((freqs, freqs), dim=-1).cos().to(self.dtype)
+        self.rope_signed_sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Every matmul and attention computed so that a row's bits do not depend on the step
+        it shares (``batch_invariant.py``); the quantized matmuls decide for themselves."""
+        for module in self.modules():
+            if isinstance(module, (Linear, Attention)):
+                module.batch_invariant = on
+        self.batch_invariant = on
 
     def join_projections(self) -> None:
         """After the checkpoint is loaded (its names are the separate projections'): q/k/v and
@@ -238,12 +280,11 @@ class NativeCausalLM(nn.Module):
             layer.self_attn.join_projections()
             layer.mlp.join_projections()
 
-    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and ``[-sin, sin]`` (see ``_rotate``), shaped ``[rows, query_len, 1 (heads), head_dim]``."""
-        freqs = position_ids[..., None].float() * self.inv_freq
-        sin = freqs.sin()
-        cos = torch.cat((freqs, freqs), dim=-1).cos()
-        return cos.to(dtype)[:, :, None], torch.cat((-sin, sin), dim=-1).to(dtype)[:, :, None]
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and ``[-sin, sin]`` (see ``_rotate``), shaped ``[rows, query_len, 1 (heads), head_dim]``.
+        Padding tokens of a prefill step may sit past the table; their results are never read."""
+        position_ids = position_ids.clamp(max=self.rope_cos.shape[0] - 1)
+        return self.rope_cos[position_ids][:, :, None], self.rope_signed_sin[position_ids][:, :, None]
 
     def hidden_states(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: StepCache
@@ -251,7 +292,7 @@ class NativeCausalLM(nn.Module):
         """``[rows, query_len]`` ids at ``position_ids`` (same shape); ``mask`` is boolean,
         broadcastable to ``[rows, heads, query_len, kv_len]``, True where a query may attend."""
         hidden = self.model.embed_tokens(input_ids)
-        rope = self._rope(position_ids, hidden.dtype)
+        rope = self._rope(position_ids)
         for layer in self.model.layers:
             hidden = layer(hidden, rope, mask, cache)
         return self.model.norm(hidden)
@@ -260,4 +301,6 @@ class NativeCausalLM(nn.Module):
         if self.head is not None:
             return self.head(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.batch_invariant:
+            return batch_invariant.linear(hidden, weight, None)
         return F.linear(hidden, weight)

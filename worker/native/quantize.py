@@ -9,6 +9,12 @@ rows, though: from ~5 rows on oneDNN's bf16 GEMM is faster, so matmuls of more t
 ``PACKED_MAX_ROWS`` rows (prefill chunks, busy batches) keep using the serving-dtype weights
 (``bench/packed_matmul_bench.py`` times both). The cost is memory: the packed copy comes on top.
 
+That switch makes a row's bits depend on how many rows share its step: the packed kernels and
+the bf16 GEMM each give a row the same bits at any row count, but not the same as each other.
+With ``--deterministic on`` (the default) a model therefore uses one of them for every row count:
+``auto`` resolves to ``none`` (the bf16 GEMM), and an explicit ``int8``/``int4`` reads the packed
+weights for every matmul, prefill chunks included (slower batches, the same text alone or not).
+
 FBGEMM's dynamic int8 (inputs quantized per tensor) is not offered: slower than int4 for one
 stream, and its greedy text departs soonest (``bench/quantization_bench.py`` measures it). The token embedding
 is a lookup and stays as it is; the LM head gets its own packed copy.
@@ -32,8 +38,10 @@ PACKED_MAX_ROWS = 4
 
 
 class _SmallBatchLinear(nn.Module):
-    """``y = x W^T (+ b)``: a packed low-bit weight for up to ``PACKED_MAX_ROWS`` input rows, the
-    serving-dtype weight for more."""
+    """``y = x W^T (+ b)``: a packed low-bit weight for up to ``max_rows`` input rows (None: every
+    row count), the serving-dtype weight for more."""
+
+    max_rows: int | None = PACKED_MAX_ROWS
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
@@ -45,7 +53,7 @@ class _SmallBatchLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > PACKED_MAX_ROWS:
+        if self.max_rows is not None and flat.shape[0] > self.max_rows:
             return F.linear(x, self.weight, self.bias)
         out = self._packed_mm(flat.contiguous())
         out = out.view(*x.shape[:-1], out.shape[-1])
@@ -106,23 +114,29 @@ def _checkpoint_groups(groups: dict[str, Int4Groups], parent: str, name: str, li
     return Int4Groups.joined(found) if len(found) == len(names) else None
 
 
-def resolve_mode(mode: Quantization, model: NativeCausalLM, groups: dict[str, Int4Groups]) -> Quantization:
-    """``auto``: ``int4`` on the CPU when the checkpoint carries a 4-bit GGUF's own groups, else ``none``."""
+def resolve_mode(
+    mode: Quantization, model: NativeCausalLM, groups: dict[str, Int4Groups], every_row: bool = False
+) -> Quantization:
+    """``auto``: ``int4`` on the CPU when the checkpoint carries a 4-bit GGUF's own groups, else
+    ``none``; ``none`` too when the packed weights would have to serve every row (``every_row``)."""
     if mode != "auto":
         return mode
-    return "int4" if model.device.type == "cpu" and groups else "none"
+    return "int4" if model.device.type == "cpu" and groups and not every_row else "none"
 
 
-def quantize(model: NativeCausalLM, mode: Quantization, groups: dict[str, Int4Groups] | None = None) -> Quantization:
+def quantize(
+    model: NativeCausalLM, mode: Quantization, groups: dict[str, Int4Groups] | None = None, every_row: bool = False
+) -> Quantization:
     """Replace the decoder's matmuls in place; returns the mode applied (``auto`` resolved).
 
     ``groups`` are the checkpoint's own 4-bit groups by weight name (``worker/native/gguf_groups.py``):
     ``int4`` packs those exactly and quantizes the rest, ``auto`` packs those and leaves the rest in
     the serving dtype. The head (tied embedding or ``lm_head``) is int8 under both int4 modes: at
     int4 it cost most of the quality (``bench/quantization_bench.py`` measures it), at int8 about
-    the speed of int4 with two threads."""
+    the speed of int4 with two threads. ``every_row``: the packed weights serve matmuls of any
+    row count (``--deterministic on``; see the module docstring)."""
     groups = groups or {}
-    applied = resolve_mode(mode, model, groups)
+    applied = resolve_mode(mode, model, groups, every_row)
     if applied == "none":
         return applied
     if model.device.type != "cpu":
@@ -141,4 +155,8 @@ def quantize(model: NativeCausalLM, mode: Quantization, groups: dict[str, Int4Gr
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.head = Int8Linear(head, None, dtype)
     model.lm_head = None  # the head module replaces it; a tied embedding keeps its own rows for lookups
+    if every_row:
+        for module in model.modules():
+            if isinstance(module, _SmallBatchLinear):
+                module.max_rows = None
     return applied

@@ -1,0 +1,157 @@
+"""A request's text depends on the request alone (``--deterministic on``, bf16, the native
+forward): for random prompts, seeds and settings, the tokens generated alone equal those
+generated in random batches of 2-16 that join at random steps, with prefill chunked at random
+boundaries, and after prefix-cache hits, for greedy and seeded sampling.
+
+A tiny random-weight model is the honest tool here: what is checked is the engine's numerics
+and scheduling, not the model's text. The default model is checked the same way, once, in
+``tests/e2e/test_default_model.py``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from tests.support.models import tiny_random_llama_dir
+from tests.worker.test_engine import Collector
+from worker.engine.builder import EngineConfig, build_engine
+from worker.engine.engine import LLMEngine
+from worker.engine.kv_cache import KVCacheLayout
+from worker.engine.prefix_cache import BLOCK_SIZE
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import EngineRequest, ResumeState
+from worker.model_loader import LoadedModel, load_model
+
+MAX_LEN = 512
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One request: its prompt and how it samples."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    seed: int | None  # None: greedy
+    temperature: float
+    top_k: int
+
+    def request(self, request_id: str) -> EngineRequest:
+        params = SamplingParams(
+            temperature=self.temperature if self.seed is not None else 0.0,
+            top_k=self.top_k if self.seed is not None else 0,
+            seed=self.seed,
+            max_new_tokens=self.max_new_tokens,
+            ignore_eos=True,
+        )
+        return EngineRequest(request_id, [list(self.prompt)], params)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    # 128 wide, 4 heads over 2 kv heads (grouped-query attention), 3 layers, SmolLM2's vocabulary.
+    folder = tiny_random_llama_dir(seed=3, hidden_size=128, num_layers=3)
+    cache = tmp_path_factory.mktemp("cache")
+    model = load_model(str(folder), cache, "cpu", "bfloat16", MAX_LEN, "native", "none", deterministic=True)
+    assert model.model.dtype == torch.bfloat16 and model.model.batch_invariant
+    return model
+
+
+def _engine(loaded: LoadedModel, step_tokens: int, prefix_cache: bool) -> tuple[LLMEngine, Collector]:
+    layout = KVCacheLayout.from_config(loaded.model.config, torch.bfloat16, torch.device("cpu"))
+    config = EngineConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=step_tokens,
+        max_model_len=MAX_LEN,
+        kv_cache_bytes=17 * layout.bytes_per_token * MAX_LEN,
+        prefix_cache_bytes=(256 * BLOCK_SIZE * layout.bytes_per_token) if prefix_cache else 0,
+    )
+    collector = Collector()
+    engine = build_engine(loaded.model, loaded.tokenizer, config, loaded.eos_token_ids, collector)
+    return engine, collector
+
+
+def _run(engine: LLMEngine, collector: Collector, arrivals: list[tuple[int, EngineRequest]]) -> None:
+    """Submit each request at its step, then step until all are done."""
+    pending = sorted(arrivals, key=lambda arrival: arrival[0])
+    ids = {request.request_id for _, request in arrivals}
+    step = 0
+    while not ids <= collector.done:
+        while pending and pending[0][0] <= step:
+            engine.submit(pending.pop(0)[1])
+        engine.run_step()
+        step += 1
+        assert step < 5000, "requests did not finish"
+
+
+def _alone(loaded: LoadedModel, specs: list[Spec]) -> list[list[int]]:
+    """Each request on its own: no prefix cache, the whole prompt in one step."""
+    engine, collector = _engine(loaded, step_tokens=MAX_LEN, prefix_cache=False)
+    tokens = []
+    for i, spec in enumerate(specs):
+        request = spec.request(f"alone{i}")
+        _run(engine, collector, [(0, request)])
+        tokens.append(request.sequences[0].output_token_ids)
+    return tokens
+
+
+prompts = st.lists(st.integers(100, 20_000), min_size=1, max_size=150).map(tuple)
+specs = st.builds(
+    Spec,
+    prompt=prompts,
+    max_new_tokens=st.integers(1, 24),
+    seed=st.one_of(st.none(), st.integers(0, 2**32)),
+    temperature=st.sampled_from([0.6, 1.0, 1.5]),
+    top_k=st.sampled_from([0, 0, 40]),
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], phases=[Phase.generate])
+@given(
+    batch=st.lists(specs, min_size=2, max_size=16),
+    data=st.data(),
+)
+def test_a_request_gets_the_same_tokens_alone_batched_chunked_and_after_a_cache_hit(
+    loaded: LoadedModel, batch: list[Spec], data: st.DataObject
+) -> None:
+    # Some requests repeat another's prompt, or extend it by its earlier turn: prefix-cache hits.
+    for i in range(1, len(batch)):
+        source = batch[data.draw(st.integers(0, i - 1), label=f"source of {i}")]
+        kind = data.draw(st.sampled_from(["own", "same", "extends"]), label=f"prompt of {i}")
+        if kind != "own":
+            extra = data.draw(prompts, label=f"extra of {i}") if kind == "extends" else ()
+            batch[i] = replace(batch[i], prompt=(source.prompt + extra)[:300])
+    expected = _alone(loaded, batch)
+
+    step_tokens = data.draw(st.integers(16, 256), label="step token budget (prefill chunk boundaries)")
+    engine, collector = _engine(loaded, step_tokens, prefix_cache=True)
+    arrivals = [
+        (data.draw(st.integers(0, 30), label=f"arrival of {i}"), spec.request(f"r{i}")) for i, spec in enumerate(batch)
+    ]
+    _run(engine, collector, arrivals)
+    for i, (_, request) in enumerate(arrivals):
+        assert request.sequences[0].output_token_ids == expected[i], f"request {i} ({batch[i]})"
+
+    # The same requests again, one after another, on the engine whose prefix cache now holds them.
+    assert engine.prefix_cache is not None
+    hits_before = engine.prefix_cache.stats.num_hit_tokens
+    for i, spec in enumerate(batch):
+        request = spec.request(f"again{i}")
+        _run(engine, collector, [(0, request)])
+        assert request.sequences[0].output_token_ids == expected[i], f"request {i} after a cache hit"
+    if any(len(spec.prompt) > BLOCK_SIZE for spec in batch):  # a full block to reuse
+        assert engine.prefix_cache.stats.num_hit_tokens > hits_before
+
+
+def test_the_same_seed_gives_the_same_draws_from_any_position(loaded: LoadedModel) -> None:
+    """What a worker resuming a job relies on: the draw for output position p comes from (seed, p)."""
+    spec = Spec(tuple(range(200, 260)), max_new_tokens=30, seed=7, temperature=1.5, top_k=0)
+    first = _alone(loaded, [spec])[0]
+    engine, collector = _engine(loaded, step_tokens=64, prefix_cache=False)
+    request = spec.request("resumed")
+    request.resume = ResumeState(next_event_seq=1, output_token_ids={0: first[:11]}, finished_choices=frozenset())
+    _run(engine, collector, [(0, request)])
+    assert request.sequences[0].output_token_ids == first
