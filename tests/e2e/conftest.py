@@ -15,12 +15,13 @@ TWO_WORKER_MODEL = "two-worker-tiny"
 
 @pytest.fixture
 def two_workers(redis_url: str, log_dir: Path, tiny_model_path: Path) -> Iterator[Stack]:
-    """API + two fp32 workers on the tiny random model, serving ``TWO_WORKER_MODEL``."""
+    """API + two workers on the tiny random model in the default dtype (bf16 on the CPU), serving
+    ``TWO_WORKER_MODEL``."""
     stack = make_stack(redis_url, log_dir)
     try:
         stack.start_api()
         for _ in range(2):
-            stack.start_worker(tiny_model_path, TWO_WORKER_MODEL, dtype="float32", max_model_len=1024)
+            stack.start_worker(tiny_model_path, TWO_WORKER_MODEL, max_model_len=1024)
         yield stack
     finally:
         stack.stop()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,11 +18,15 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def default_stack(redis_url: str, log_dir: Path, default_model_path: Path) -> Iterator[Stack]:
+    """The API and two workers on the default model with default settings (bf16, --deterministic on)."""
     stack = make_stack(redis_url, log_dir)
     try:
         stack.start_api()
-        # The worker resolves the default model id itself, from the same conversion cache.
-        stack.start_worker(DEFAULT_MODEL, DEFAULT_MODEL, cache_dir=default_model_path.parents[1], max_model_len=2048)
+        for _ in range(2):
+            # The worker resolves the default model id itself, from the same conversion cache.
+            stack.start_worker(
+                DEFAULT_MODEL, DEFAULT_MODEL, cache_dir=default_model_path.parents[1], max_model_len=2048
+            )
         yield stack
     finally:
         stack.stop()
@@ -36,3 +42,62 @@ def test_greedy_capital_of_france_mentions_paris(default_stack: Stack) -> None:
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert "Paris" in text
+
+
+def test_a_requests_text_is_the_same_alone_in_a_batch_and_from_the_prefix_cache(default_stack: Stack) -> None:
+    """What a new user tries first (issue #18): the default model in its default dtype (bf16 on the
+    CPU), greedy and seeded requests sent one at a time, then all at once, then again one at a
+    time (their prompts now in the prefix cache): the same text each time."""
+    client = default_stack.client()
+    topics = ["the sea", "a city at night", "bread", "winter", "a long train journey", "the moon"]
+    requests = [
+        {
+            "model": DEFAULT_MODEL,
+            "messages": [{"role": "user", "content": f"Write a short poem about {topic}, with a title."}],
+            "max_tokens": 40,
+            **({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 100 + i}),
+        }
+        for i, topic in enumerate(topics)
+    ]
+
+    def text(body: dict[str, object]) -> str:
+        return client.chat.completions.create(**body).choices[0].message.content or ""  # type: ignore[call-overload]
+
+    alone = [text(body) for body in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(text, requests))
+    again = [text(body) for body in requests]
+    assert together == alone
+    assert again == alone
+    assert len(set(alone)) == len(alone)  # they are different requests, and sampled ones differ
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 7}], ids=["greedy", "seeded"])
+def test_a_killed_workers_stream_continues_byte_identical(
+    default_stack: Stack, default_model_path: Path, sampling: dict[str, object]
+) -> None:
+    """The serving worker is SIGKILLed mid-stream; the other resumes the job from the tokens already
+    sent (one prefill of prompt and tokens where the first worker had decoded them one by one)
+    and the client's text is byte-identical to the undisturbed text. Runs last in this module:
+    the first run leaves one worker, which the second run's kill needs a fresh one beside."""
+    if sum(worker.is_running() for worker in default_stack.workers) < 2:
+        default_stack.start_worker(
+            DEFAULT_MODEL, DEFAULT_MODEL, cache_dir=default_model_path.parents[1], max_model_len=2048
+        )
+    body = {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}],
+        "max_tokens": 160,
+        "extra_body": {"ignore_eos": True},
+        **sampling,
+    }
+    client = default_stack.client()
+    expected = client.chat.completions.create(**body).choices[0].message.content  # type: ignore[call-overload]
+    received: list[str] = []
+    stream = client.chat.completions.create(**body, stream=True)  # type: ignore[call-overload]
+    for chunk in stream:
+        if chunk.choices:
+            received.append(chunk.choices[0].delta.content or "")
+        if len(received) == 20:
+            default_stack.worker_of(chunk.id).popen.send_signal(signal.SIGKILL)
+    assert "".join(received) == expected

@@ -45,8 +45,14 @@ def _text(data: list[str]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
 
 
-def test_a_killed_workers_stream_continues_on_the_other_without_gap_or_repeat(two_workers: Stack) -> None:
-    body = {**BODY, "max_tokens": 700, "stream": True}
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 1234}], ids=["greedy", "seeded"])
+def test_a_killed_workers_stream_continues_on_the_other_without_gap_or_repeat(
+    two_workers: Stack, sampling: dict[str, object]
+) -> None:
+    """The text after the SIGKILL is byte-identical to the undisturbed text (bf16, --deterministic
+    on): the other worker recomputes the prompt and the tokens already sent in one prefill, with
+    the bits the first worker's decode steps had, and draws from the resumed position on."""
+    body = {**BODY, **sampling, "max_tokens": 700, "stream": True}
     undisturbed = httpx.post(f"{two_workers.base_url}/v1/chat/completions", json={**body, "stream": False}, timeout=60)
     expected = undisturbed.json()["choices"][0]["message"]["content"]
     ids, data, killed_at, resumed_at = [], [], 0.0, 0.0

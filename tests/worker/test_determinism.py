@@ -109,7 +109,9 @@ specs = st.builds(
 )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], phases=[Phase.generate])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture], phases=[Phase.generate]
+)
 @given(
     batch=st.lists(specs, min_size=2, max_size=16),
     data=st.data(),
