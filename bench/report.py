@@ -20,6 +20,7 @@ def build_report(
     hop: dict[str, float | None],
     prefix: dict[str, float | None],
     kv_layout: dict[str, Any] | None = None,
+    determinism: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     def find(mode: str, concurrency: int) -> RunSummary | None:
         return next((s for s in summaries if s.mode.startswith(mode) and s.concurrency == concurrency), None)
@@ -39,6 +40,12 @@ def build_report(
     targets.update({"queue_hop_p50_ms": hop["hop_p50_ms"], "queue_hop_p99_ms": hop["hop_p99_ms"]})
     if kv_layout:
         targets["kv_held_by_tokens_over_slots_at_32"] = kv_layout["ratio_of_medians"]
+    if determinism:
+        targets["deterministic_on_over_off_at_32_in_process"] = determinism["on_over_off"]
+    other1, other32 = find("e", 1), find("e", 32)
+    for label, default, other in (("1", stack1, other1), ("32", stack32, other32)):
+        if default and other:
+            targets[f"tok_s_{label}_stack_default_over_other_deterministic"] = default.tok_s / other.tok_s
     return {
         "command": "python -m bench.serving_bench "
         + " ".join(
@@ -57,6 +64,7 @@ def build_report(
         "queue_hop": hop,
         "prefix_cache": prefix,
         "kv_layout": kv_layout,
+        "determinism": determinism,
         "targets": targets,
     }
 
@@ -87,6 +95,7 @@ def render_table(report: dict[str, Any]) -> str:
         f"{_fmt((prefix['hit_rate'] or 0) * 100)}%, TTFT p50 {_fmt(prefix['ttft_p50_ms_cache_off'])} ms off → "
         f"{_fmt(prefix['ttft_p50_ms_cache_on'])} ms on",
         *_kv_layout_line(report.get("kv_layout")),
+        *_determinism_line(report.get("determinism")),
         "targets: " + ", ".join(f"{k} = {_fmt(v, 2)}" for k, v in targets.items()),
     ]
     return "\n".join(lines)
@@ -102,4 +111,14 @@ def _kv_layout_line(kv_layout: dict[str, Any] | None) -> list[str]:
     return [
         f"KV held by tokens vs full-length slots, in-process at {kv_layout['streams']} streams (tok/s, alternated: "
         f"{runs}): {kv_layout['ratio_of_medians']:.3f}x"
+    ]
+
+
+def _determinism_line(determinism: dict[str, Any] | None) -> list[str]:
+    if not determinism:
+        return []
+    runs = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(determinism["tok_s_on"], determinism["tok_s_off"], strict=True))
+    return [
+        f"--deterministic on vs off, in-process at {determinism['streams']} streams (tok/s, alternated: {runs}): "
+        f"{determinism['on_over_off']:.3f}x"
     ]

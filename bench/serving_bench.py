@@ -1,7 +1,9 @@
 """Serving benchmark: (a) serial HF generate, (b) the engine in-process, (c) the full stack over
 HTTP, on the same model and dtype, and (d) llama.cpp's llama-server on the same GGUF when one is
-found (``make llama-server`` builds it); plus queue-hop TTFT, a prefix-cache scenario, and (b)
-at 32 streams with the KV cache held by tokens against full-length slots.
+found (``make llama-server`` builds it); plus queue-hop TTFT, a prefix-cache scenario, (b)
+at 32 streams with the KV cache held by tokens against full-length slots, and with
+``--deterministic`` on against off (alternated in-process, and (c) at 1 and 32 streams with
+a worker started ``--deterministic off``).
 
     python -m bench.serving_bench            # what `make bench` runs
     python -m bench.serving_bench --concurrency 1,8 --output-tokens 32   # a quick look
@@ -59,6 +61,9 @@ def parse_args() -> argparse.Namespace:
         help="auto: run llama-server on the same GGUF as (d) when one is found",
     )
     parser.add_argument("--gguf", type=Path, default=None, help="the GGUF for (d); default: the default model's")
+    parser.add_argument(
+        "--deterministic", choices=["on", "off"], default="on", help="(a)-(c) as the worker's --deterministic"
+    )
     return parser.parse_args()
 
 
@@ -139,8 +144,39 @@ def kv_layout_scenario(loaded: Any, args: argparse.Namespace, texts: list[str], 
     }
 
 
+def determinism_scenario(loaded: Any, args: argparse.Namespace, texts: list[str], streams: int = 32) -> dict[str, Any]:
+    """(b) at ``streams`` clients with ``--deterministic on`` and ``off`` (each model loaded as the
+    worker loads it), the same requests alternated three times each; the ratio is of the medians."""
+    models = {"on": loaded} if args.deterministic == "on" else {"off": loaded}
+    other = "off" if args.deterministic == "on" else "on"
+    models[other] = load_model(
+        args.model, WorkerSettings().cache_dir, args.device, args.dtype, args.max_model_len,
+        deterministic=other == "on",
+    )  # fmt: skip
+    tok_s: dict[str, list[float]] = {"on": [], "off": []}
+    engines = {label: InProcessEngine(models[label], engine_config(args, streams)) for label in tok_s}
+    bodies = bodies_for(texts[:streams], args.output_tokens)
+    for engine in engines.values():
+        engine.run(bodies)  # warm-up
+    for _ in range(3):
+        for label, engine in engines.items():
+            tok_s[label].append(summarize(label, streams, engine.run(bodies)).tok_s)
+    for engine in engines.values():
+        engine.close()
+    medians = {label: statistics.median(values) for label, values in tok_s.items()}
+    print(f"  --deterministic on vs off at {streams} streams: {medians}", flush=True)
+    return {
+        "streams": streams,
+        "tok_s_on": tok_s["on"],
+        "tok_s_off": tok_s["off"],
+        "on_over_off": medians["on"] / medians["off"],
+    }
+
+
 @contextlib.contextmanager
-def running_stack(args: argparse.Namespace, dtype: str, max_num_seqs: int) -> Iterator[str]:
+def running_stack(
+    args: argparse.Namespace, dtype: str, max_num_seqs: int, deterministic: str | None = None
+) -> Iterator[str]:
     """Redis, the API and one worker (same model, dtype and engine settings) as real processes."""
     binary = find_redis_server()
     if binary is None:
@@ -152,7 +188,7 @@ def running_stack(args: argparse.Namespace, dtype: str, max_num_seqs: int) -> It
         stack.start_worker(
             args.model, SERVED_NAME, dtype=dtype, device=args.device, max_model_len=args.max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_memory_gib=4, log_level="WARNING",
+            kv_cache_memory_gib=4, log_level="WARNING", deterministic=deterministic or args.deterministic,
         )  # fmt: skip
         wait_for_compiled_decode(stack)
         yield stack.base_url
@@ -205,7 +241,10 @@ def peer_sweep(args: argparse.Namespace, concurrencies: list[int], texts: list[s
 def main() -> None:
     args = parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    loaded = load_model(args.model, WorkerSettings().cache_dir, args.device, args.dtype, args.max_model_len)
+    loaded = load_model(
+        args.model, WorkerSettings().cache_dir, args.device, args.dtype, args.max_model_len,
+        deterministic=args.deterministic == "on",
+    )  # fmt: skip
     dtype = str(loaded.model.dtype).removeprefix("torch.")
     args.max_num_batched_tokens = args.max_num_batched_tokens or default_max_num_batched_tokens(loaded.model.device)
     print(f"model {args.model} ({dtype}, {loaded.model.device}); {args.prompt_tokens} in, {args.output_tokens} out")
@@ -238,10 +277,23 @@ def main() -> None:
             for i in range(args.ttft_samples)
         ]  # fmt: skip
     engine.close()
+    other = "off" if args.deterministic == "on" else "on"
+    with running_stack(args, dtype, max(concurrencies), deterministic=other) as other_url:
+
+        def other_run(concurrency: int) -> list[StreamTrace]:
+            return asyncio.run(http_load.run_streams(other_url, SERVED_NAME, texts[:concurrency], args.output_tokens))
+
+        asyncio.run(http_load.run_streams(other_url, SERVED_NAME, texts[:1], 8))  # warm-up
+        summaries += sweep(
+            f"e: full stack, --deterministic {other}", [c for c in concurrencies if c in (1, 32)], other_run
+        )
     summaries += peer_sweep(args, concurrencies, texts)
     prefix = prefix_scenario(loaded, args)
     kv_layout = kv_layout_scenario(loaded, args, texts)
-    report = build_report(args, dtype, str(loaded.model.device), summaries, queue_hop(pairs), prefix, kv_layout)
+    determinism = determinism_scenario(loaded, args, texts)
+    report = build_report(
+        args, dtype, str(loaded.model.device), summaries, queue_hop(pairs), prefix, kv_layout, determinism
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     plot_results(report, args.out.with_suffix(".png"))

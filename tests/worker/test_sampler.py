@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.worker.engine_helpers import make_seq
-from worker.engine.sampler import Sampler, SlotSamplingState, _block_argmax, _search_cdf
+from worker.engine.sampler import Sampler, SlotSamplingState, _block_argmax, _search_cdf, seeded_uniform
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import Sequence
 
@@ -130,6 +130,32 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
     alone = run(1)
     assert run(1) == alone
     assert run(6) == alone
+
+
+def test_top_k_and_top_p_keep_ties_whichever_way_the_candidates_were_sorted() -> None:
+    """Three equally likely best tokens and top_k=2: all three stay (as vLLM keeps ties), alone and
+    beside a row whose top-p makes the step sort the whole vocabulary instead of taking the top-k."""
+    vocab = 300
+    logits = torch.zeros(2, vocab)
+    logits[:, [7, 70, 170]] = 4.0
+    tied = make_seq(SamplingParams(temperature=1.0, top_k=2, seed=1))
+    flat = make_seq(SamplingParams(temperature=1.0, top_p=0.99, seed=2))
+    kept = []
+    for seqs in ([tied], [tied, flat]):
+        sampler = _sampler(2, vocab)
+        probs = torch.softmax(logits[: len(seqs)], dim=-1)
+        kept.append(sampler._truncate(probs, _place(sampler, seqs), seqs)[0])
+    assert torch.equal(kept[0], kept[1])
+    assert (kept[0] > 0).nonzero().flatten().tolist() == [7, 70, 170]
+
+
+def test_a_seeded_draw_depends_on_the_seed_and_position_alone() -> None:
+    draws = [seeded_uniform(42, position) for position in range(20_000)]
+    assert draws == [seeded_uniform(42, position) for position in range(20_000)]
+    assert all(0.0 <= draw < 1.0 for draw in draws)
+    assert len(set(draws)) > 19_900  # 24-bit draws: a few collisions at most
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.01
+    assert [seeded_uniform(43, position) for position in range(10)] != draws[:10]
 
 
 def test_mixed_greedy_and_sampled_rows_in_one_batch() -> None:
