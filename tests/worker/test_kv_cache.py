@@ -20,7 +20,6 @@ from worker.engine.kv_cache import (
 )
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import SequenceStatus
 from worker.settings import WorkerSettings
 
 CPU = torch.device("cpu")
@@ -100,10 +99,9 @@ def _admit_all(scheduler: Scheduler, rounds: int = 200) -> int:
     """Schedule with no model: prompt chunks count as computed; returns the most that ran at once."""
     peak = 0
     for _ in range(rounds):
-        for chunk in scheduler.schedule().prefill_chunks:
-            chunk.seq.num_computed_tokens += chunk.length
-            if chunk.completes_prompt:
-                chunk.seq.status = SequenceStatus.DECODING
+        step = scheduler.schedule()
+        step.skip_decode = True  # prompt chunks only: nothing decodes in these rounds
+        scheduler.complete_step(step)
         peak = max(peak, scheduler.num_running)
         if not scheduler.waiting:
             break
@@ -126,12 +124,8 @@ def test_the_default_budget_and_context_run_64_short_streams_or_a_7000_token_pro
     assert num_slots_for_budget(layout, engine_config.max_model_len, engine_config.kv_cache_bytes) == 21
     for prompts, expected in [([60] * 64, 64), ([7000] + [60] * 32, 33)]:
         cache, budget = _kv_cache_and_budget(layout, engine_config)
-        scheduler = Scheduler(cache.num_slots, 64, engine_config.max_num_batched_tokens, _no_move, budget=budget)
+        scheduler = Scheduler(cache.num_slots, 64, engine_config.max_num_batched_tokens, budget=budget)
         for i, length in enumerate(prompts):
             scheduler.add(make_seq(SamplingParams(max_new_tokens=200), list(range(length)), f"r{i}"))
         assert _admit_all(scheduler) == expected
         assert budget.num_used == sum(budget.blocks_for(length + 1) for length in prompts)
-
-
-def _no_move(src: int, dst: int, length: int) -> None:
-    raise AssertionError("nothing leaves, so nothing moves")

@@ -14,7 +14,7 @@ EOS = 25  # decodes to "z" with the helpers' CharDecoder (id i → chr(97 + i % 
 def _last_delta(params: SamplingParams, token_ids: list[int]) -> DeltaEvent:
     seq = make_seq(params)
     processor = OutputProcessor(eos_token_ids=frozenset({EOS}), max_model_len=1024)
-    deltas = [delta for token in token_ids if (delta := processor.process(seq, token)) is not None]
+    deltas = [delta for token in token_ids if (delta := processor.process(seq, token).delta) is not None]
     assert deltas and deltas[-1].finish_reason is not None, "the choice did not end"
     return deltas[-1]
 

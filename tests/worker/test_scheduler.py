@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from tests.worker.engine_helpers import make_seq
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
+from worker.engine.scheduler import Scheduler, SlotMove
 from worker.engine.sequence import Sequence, SequenceStatus
 
 
-def _scheduler(
-    num_slots: int = 4, max_num_seqs: int = 8, budget: int = 64
-) -> tuple[Scheduler, list[tuple[int, int, int]]]:
-    moves: list[tuple[int, int, int]] = []
-    scheduler = Scheduler(num_slots, max_num_seqs, budget, lambda src, dst, n: moves.append((src, dst, n)))
-    return scheduler, moves
+def _scheduler(num_slots: int = 4, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
+    return Scheduler(num_slots, max_num_seqs, budget)
 
 
 def _seq(prompt_len: int, name: str = "r") -> Sequence:
@@ -28,7 +24,7 @@ def _finish_prefill(scheduler: Scheduler) -> None:
 
 
 def test_admission_stops_at_the_slot_count() -> None:
-    scheduler, _ = _scheduler(num_slots=2, budget=1000)
+    scheduler = _scheduler(num_slots=2, budget=1000)
     for i in range(3):
         scheduler.add(_seq(4, f"r{i}"))
     step = scheduler.schedule()
@@ -37,7 +33,7 @@ def test_admission_stops_at_the_slot_count() -> None:
 
 
 def test_max_num_seqs_caps_admission_below_the_slot_count() -> None:
-    scheduler, _ = _scheduler(num_slots=8, max_num_seqs=1, budget=1000)
+    scheduler = _scheduler(num_slots=8, max_num_seqs=1, budget=1000)
     scheduler.add(_seq(4, "a"))
     scheduler.add(_seq(4, "b"))
     scheduler.schedule()
@@ -45,7 +41,7 @@ def test_max_num_seqs_caps_admission_below_the_slot_count() -> None:
 
 
 def test_a_long_prompt_is_chunked_by_the_budget() -> None:
-    scheduler, _ = _scheduler(budget=32)
+    scheduler = _scheduler(budget=32)
     seq = _seq(100)
     scheduler.add(seq)
     lengths = []
@@ -64,14 +60,14 @@ def _finish_prefill_step(step: object) -> None:
 
 
 def test_padded_rows_count_against_the_budget() -> None:
-    scheduler, _ = _scheduler(budget=16)
+    scheduler = _scheduler(budget=16)
     scheduler.add(_seq(10, "a"))
     scheduler.add(_seq(10, "b"))
     assert len(scheduler.schedule().prefill_chunks) == 1  # two rows of 10 would cost 20 > 16
 
 
 def test_decode_rows_leave_prompts_a_share_of_the_budget() -> None:
-    scheduler, _ = _scheduler(num_slots=8, budget=8)
+    scheduler = _scheduler(num_slots=8, budget=8)
     for i in range(7):
         scheduler.add(_seq(1, f"d{i}"))
     for _ in range(7):
@@ -83,30 +79,30 @@ def test_decode_rows_leave_prompts_a_share_of_the_budget() -> None:
 
 
 def test_release_moves_the_last_slot_into_the_hole() -> None:
-    scheduler, moves = _scheduler(budget=1000)
+    scheduler = _scheduler(budget=1000)
     seqs = [_seq(3, f"r{i}") for i in range(3)]
     for seq in seqs:
         scheduler.add(seq)
     _finish_prefill(scheduler)
     scheduler.release(seqs[0])
-    assert moves == [(2, 0, 3)]
+    assert scheduler.schedule().slot_moves == [SlotMove(src=2, dst=0)]  # reported at the next step
     assert [seq.slot for seq in scheduler.running] == [0, 1]
     assert scheduler.running == [seqs[2], seqs[1]]
     assert seqs[0].status is SequenceStatus.FINISHED and seqs[0].slot is None
 
 
 def test_releasing_a_waiting_sequence_just_drops_it() -> None:
-    scheduler, moves = _scheduler(num_slots=1, budget=1000)
+    scheduler = _scheduler(num_slots=1, budget=1000)
     first, second = _seq(3, "a"), _seq(3, "b")
     scheduler.add(first)
     scheduler.add(second)
     scheduler.schedule()
     scheduler.release(second)
-    assert scheduler.num_waiting == 0 and moves == []
+    assert scheduler.num_waiting == 0 and scheduler.schedule().slot_moves == []
 
 
 def test_waiting_interactive_requests_are_admitted_before_waiting_batch_lines() -> None:
-    scheduler, _ = _scheduler(num_slots=2, budget=1000)
+    scheduler = _scheduler(num_slots=2, budget=1000)
     for name, priority in [("batch0", 1), ("batch1", 1), ("chat0", 0), ("batch2", 1), ("chat1", 0)]:
         seq = _seq(4, name)
         seq.request.priority = priority
@@ -117,7 +113,7 @@ def test_waiting_interactive_requests_are_admitted_before_waiting_batch_lines() 
 
 
 def test_a_step_that_prefills_an_interactive_prompt_leaves_batch_prompts_for_later() -> None:
-    scheduler, _ = _scheduler(num_slots=4, budget=1000)
+    scheduler = _scheduler(num_slots=4, budget=1000)
     batch_seq = _seq(40, "batch")
     batch_seq.request.priority = 1
     scheduler.add(batch_seq)
@@ -130,7 +126,7 @@ def test_a_step_that_prefills_an_interactive_prompt_leaves_batch_prompts_for_lat
 
 
 def test_completing_an_interactive_prompt_beside_batch_rows_is_a_prefill_only_step() -> None:
-    scheduler, _ = _scheduler(num_slots=4, budget=1000)
+    scheduler = _scheduler(num_slots=4, budget=1000)
     batch_seq = _seq(4, "batch")
     batch_seq.request.priority = 1
     scheduler.add(batch_seq)
@@ -144,7 +140,7 @@ def test_completing_an_interactive_prompt_beside_batch_rows_is_a_prefill_only_st
 
 
 def test_interactive_only_steps_still_decode_beside_a_new_prompt() -> None:
-    scheduler, _ = _scheduler(num_slots=4, budget=1000)
+    scheduler = _scheduler(num_slots=4, budget=1000)
     scheduler.add(_seq(4, "first"))
     _finish_prefill(scheduler)
     scheduler.add(_seq(4, "second"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -95,11 +94,12 @@ def build_engine(
             prefix_cache = PrefixCache(layout, num_blocks)
             size_gib = prefix_cache.num_bytes / 2**30
             logger.info("prefix cache: %d blocks of %d tokens, %.2f GiB", num_blocks, BLOCK_SIZE, size_gib)
-    scheduler_factory = functools.partial(
-        Scheduler, num_slots, config.max_num_seqs, config.max_num_batched_tokens, budget=budget, prefixes=prefixes
-    )
+    scheduler = Scheduler(
+        num_slots, config.max_num_seqs, config.max_num_batched_tokens, budget=budget, memory=cache,
+        prefixes=prefixes, prefix_cache=prefix_cache,
+    )  # fmt: skip
     return LLMEngine(
-        runner, scheduler_factory, sampling_state, tokenizer, eos_token_ids, config.max_model_len, sink, prefix_cache
+        runner, scheduler, sampling_state, tokenizer, eos_token_ids, config.max_model_len, sink, prefix_cache
     )
 
 

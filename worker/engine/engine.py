@@ -63,7 +63,7 @@ class LLMEngine:
     def __init__(
         self,
         runner: ModelRunner,
-        scheduler_factory: Callable[..., Scheduler],
+        scheduler: Scheduler,
         sampling_state: SlotSamplingState,
         tokenizer: Decoder,
         eos_token_ids: frozenset[int],
@@ -76,7 +76,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.sampling_state = sampling_state
         self.sampler = Sampler(sampling_state, eos_token_ids)
-        self.scheduler = scheduler_factory(move_slot=self._move_slot, on_admit=self._on_admit, memory=runner.cache)
+        self.scheduler = scheduler
         self.output_processor = OutputProcessor(eos_token_ids, max_model_len)
         self.max_model_len = max_model_len
         self._sink = sink
@@ -173,9 +173,14 @@ class LLMEngine:
 
     def step(self) -> None:
         scheduled = self.scheduler.schedule()
+        self._follow_slots(scheduled)
         if scheduled.is_empty:
             return
-        logits, seqs = self._run_model(scheduled)
+        logits = self._run_model(scheduled)
+        seqs = self.scheduler.complete_step(scheduled)
+        for chunk in scheduled.prefill_chunks:
+            if chunk.completes_prompt:
+                self._remember_prefix(chunk.seq, finishing=False)
         if not seqs:
             return
         slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.long, device=logits.device)
@@ -183,10 +188,18 @@ class LLMEngine:
         logprobs = token_logprobs(logits, token_ids, seqs, self._token_text)
         self._postprocess(seqs, token_ids, logprobs)
 
-    def _run_model(self, scheduled: ScheduledStep) -> tuple[torch.Tensor, list[Sequence]]:
-        """Decode every running row (prefilling rows ride along as padding), then prefill chunks."""
+    def _follow_slots(self, scheduled: ScheduledStep) -> None:
+        """The sampling state follows the scheduler's slots: moved sequences, then admitted ones."""
+        for move in scheduled.slot_moves:
+            self.sampling_state.move(move.src, move.dst)
+        for seq in scheduled.admitted:
+            assert seq.slot is not None
+            self.sampling_state.assign(seq.slot, seq.params, seq.prompt_token_ids, seq.output_token_ids)
+
+    def _run_model(self, scheduled: ScheduledStep) -> torch.Tensor:
+        """Decode every running row (prefilling rows ride along as padding), then prefill chunks;
+        the logits of the rows that produce a token, in ``Scheduler.complete_step``'s order."""
         parts: list[torch.Tensor] = []
-        seqs: list[Sequence] = []
         decoding = scheduled.decoding
         if decoding:
             running = scheduled.running
@@ -196,33 +209,22 @@ class LLMEngine:
             if len(decoding) < len(running):
                 logits = logits[[seq.slot for seq in decoding]]
             parts.append(logits)
-            seqs.extend(decoding)
-            for seq in decoding:
-                seq.num_computed_tokens += 1
         if scheduled.prefill_chunks:
             chunks = scheduled.prefill_chunks
             logits = self.runner.prefill(chunks)
-            completed = [row for row, chunk in enumerate(chunks) if chunk.completes_prompt]
-            for chunk in chunks:
-                chunk.seq.num_computed_tokens += chunk.length
-            for row in completed:
-                seq = chunks[row].seq
-                seq.status = SequenceStatus.DECODING
-                seqs.append(seq)
-                self._remember_prefix(seq, finishing=False)
-            parts.append(logits[completed])
-        return (torch.cat(parts) if len(parts) > 1 else parts[0]), seqs
+            parts.append(logits[[row for row, chunk in enumerate(chunks) if chunk.completes_prompt]])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprob | None]) -> None:
         for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
-            delta = self.output_processor.process(seq, token_id, logprob)
+            delta, finish_reason = self.output_processor.process(seq, token_id, logprob)
             if delta is None:
                 continue
             request = seq.request
             self._emit(request.request_id, delta)
-            if seq.finish_reason is not None:
+            if finish_reason is not None:
                 self._remember_prefix(seq, finishing=True)
-                self.scheduler.release(seq)
+                self.scheduler.finish(seq, finish_reason)
                 request.num_finished += 1
                 if request.is_finished:
                     self._emit(request.request_id, self._end_event(request), is_done=True)
@@ -265,7 +267,7 @@ class LLMEngine:
                 seq = Sequence(request, prompt_index * request.num_choices + choice, prompt, self.tokenizer)
                 request.sequences.append(seq)
                 if resume is not None and seq.index in resume.finished_choices:
-                    seq.status = SequenceStatus.FINISHED
+                    self.scheduler.add_finished(seq)
                     request.num_finished += 1
                     continue
                 if resume is not None:
@@ -305,21 +307,7 @@ class LLMEngine:
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    # -- slot bookkeeping -----------------------------------------------------------------------
-    def _move_slot(self, src: int, dst: int, length: int) -> None:
-        self.runner.cache.move_slot(src, dst, length)
-        self.sampling_state.move(src, dst)
-
-    def _on_admit(self, seq: Sequence) -> None:
-        assert seq.slot is not None
-        self.sampling_state.assign(seq.slot, seq.params, seq.prompt_token_ids, seq.output_token_ids)
-        num_cached = seq.shared_len  # a shared prefix, attached by the scheduler
-        if self.prefix_cache is not None:
-            num_cached = self.prefix_cache.load(seq.prefill_token_ids, self.runner.cache, seq.slot)
-            seq.num_computed_tokens = num_cached
-        if not seq.num_preemptions:  # usage reports the prompt's cached tokens, once
-            seq.num_cached_tokens = num_cached
-
+    # -- prefix cache -----------------------------------------------------------------------------
     def _remember_prefix(self, seq: Sequence, finishing: bool) -> None:
         """Offer a sequence's computed blocks to the prefix cache (prompt done, or finished)."""
         if seq.slot is None:

@@ -1,10 +1,19 @@
-"""From a sampled token to a delta event: stop tokens, detokenization, stop strings, length limits."""
+"""From a sampled token to a delta event: stop tokens, detokenization, stop strings, length
+limits, parsing; each a named step of ``process``, which decides whether the choice ends and
+why, and leaves ending it to the scheduler."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from shared.events import DeltaEvent, TokenLogprob
-from worker.engine.sequence import Sequence
+from worker.engine.sequence import FinishReason, Sequence
 from worker.parsers.base import ParsedDelta
+
+
+class TokenOutcome(NamedTuple):
+    delta: DeltaEvent | None  # None: nothing to send yet (text held back, no logprob asked for)
+    finish_reason: FinishReason | None  # the choice ends with this token
 
 
 class OutputProcessor:
@@ -12,48 +21,26 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def process(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None = None) -> DeltaEvent | None:
-        """Append ``token_id`` to ``seq``; return the delta to send (None when nothing is visible yet).
+    def process(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None = None) -> TokenOutcome:
+        """Append ``token_id`` to ``seq``; what to send, and whether the choice ends.
 
         Every delta carries the ids of the tokens generated since the previous one, so the job's
         event log holds all of them: another worker can resume the job from there.
         """
-        seq.output_token_ids.append(token_id)
-        seq.request.num_completion_tokens += 1
-        seq.unsent_token_ids.append(token_id)
-        finish_reason = self._stop_token_reason(seq, token_id)
-        text = "" if finish_reason else seq.stop_checker.push(seq.detokenizer.push(token_id))
+        self._append(seq, token_id)
+        reason = self._stop_token_reason(seq, token_id)  # a stop token's own text is never shown
+        text = "" if reason else self._visible_text(seq, token_id)
+        reason = reason or self._limit_reason(seq)
+        if reason and not seq.stop_checker.is_stopped:
+            text += self._held_back_text(seq)
         if seq.stop_checker.is_stopped:
-            finish_reason = "stop"
-        elif finish_reason is None and self._is_at_length_limit(seq):
-            finish_reason = "length"
-        elif finish_reason is None and seq.matcher is not None and seq.matcher.is_error:
-            finish_reason = "stop"  # a grammar that cannot go on ends the choice (logged by the sampler)
-        if finish_reason and not seq.stop_checker.is_stopped:
-            text += seq.stop_checker.push(seq.detokenizer.flush())
-            if seq.stop_checker.is_stopped:
-                finish_reason = "stop"
-            else:
-                text += seq.stop_checker.flush()
-        parsed = self._parse(seq, text, is_last=finish_reason is not None)
-        if finish_reason == "stop" and seq.pipeline is not None and seq.pipeline.num_tool_calls:
-            finish_reason = "tool_calls"
-        seq.finish_reason = finish_reason
-        stop_reason = self._stop_reason(seq, token_id) if finish_reason == "stop" else None
-        if parsed.is_empty and finish_reason is None and logprob is None:
-            return None
-        token_ids, seq.unsent_token_ids = seq.unsent_token_ids, []
-        return DeltaEvent(
-            seq=seq.request.take_event_seq(),
-            index=seq.index,
-            token_ids=token_ids,
-            content=parsed.content or None,
-            reasoning=parsed.reasoning or None,
-            tool_calls=parsed.tool_calls or None,
-            logprobs=[logprob] if logprob is not None else None,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-        )
+            reason = FinishReason.STOP
+        parsed = self._parse(seq, text, is_last=reason is not None)
+        if reason is FinishReason.STOP and seq.pipeline is not None and seq.pipeline.num_tool_calls:
+            reason = FinishReason.TOOL_CALLS
+        if parsed.is_empty and reason is None and logprob is None:
+            return TokenOutcome(None, None)
+        return TokenOutcome(self._delta(seq, token_id, parsed, reason, logprob), reason)
 
     @staticmethod
     def replay(seq: Sequence, token_ids: list[int]) -> None:
@@ -68,20 +55,72 @@ class OutputProcessor:
             if seq.matcher is not None:
                 seq.matcher.accept_token(token_id)
 
+    # -- the steps of ``process`` -----------------------------------------------------------------
+    @staticmethod
+    def _append(seq: Sequence, token_id: int) -> None:
+        seq.output_token_ids.append(token_id)
+        seq.request.num_completion_tokens += 1
+        seq.unsent_token_ids.append(token_id)
+
+    def _stop_token_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        """EOS or one of the request's stop token ids, once past ``min_tokens``."""
+        params = seq.params
+        if len(seq.output_token_ids) <= params.min_new_tokens:
+            return None
+        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
+            return FinishReason.STOP
+        return None
+
+    @staticmethod
+    def _visible_text(seq: Sequence, token_id: int) -> str:
+        """The token's text as far as it can be shown: complete characters, short of any stop string."""
+        return seq.stop_checker.push(seq.detokenizer.push(token_id))
+
+    def _limit_reason(self, seq: Sequence) -> FinishReason | None:
+        """A stop string just matched, max_tokens or the context is reached, or the grammar cannot go on."""
+        if seq.stop_checker.is_stopped:
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        if seq.matcher is not None and seq.matcher.is_error:
+            return FinishReason.STOP  # logged by the sampler
+        return None
+
+    @staticmethod
+    def _held_back_text(seq: Sequence) -> str:
+        """At the end: the detokenizer's and the stop checker's held-back text (which may itself
+        complete a stop string, cutting it there)."""
+        text = seq.stop_checker.push(seq.detokenizer.flush())
+        return text if seq.stop_checker.is_stopped else text + seq.stop_checker.flush()
+
     @staticmethod
     def _parse(seq: Sequence, text: str, is_last: bool) -> ParsedDelta:
+        """Reasoning and tool calls split out of the text (when the request has a parser)."""
         if seq.pipeline is None:
             return ParsedDelta(content=text)
         parsed = seq.pipeline.feed(text) if text else ParsedDelta()
         return parsed.extend(seq.pipeline.finish()) if is_last else parsed
 
-    def _stop_token_reason(self, seq: Sequence, token_id: int) -> str | None:
-        params = seq.params
-        if len(seq.output_token_ids) <= params.min_new_tokens:
-            return None
-        if token_id in params.stop_token_ids or (token_id in self.eos_token_ids and not params.ignore_eos):
-            return "stop"
-        return None
+    def _delta(
+        self,
+        seq: Sequence,
+        token_id: int,
+        parsed: ParsedDelta,
+        reason: FinishReason | None,
+        logprob: TokenLogprob | None,
+    ) -> DeltaEvent:
+        token_ids, seq.unsent_token_ids = seq.unsent_token_ids, []
+        return DeltaEvent(
+            seq=seq.request.take_event_seq(),
+            index=seq.index,
+            token_ids=token_ids,
+            content=parsed.content or None,
+            reasoning=parsed.reasoning or None,
+            tool_calls=parsed.tool_calls or None,
+            logprobs=[logprob] if logprob is not None else None,
+            finish_reason=reason.value if reason is not None else None,
+            stop_reason=self._stop_reason(seq, token_id) if reason is FinishReason.STOP else None,
+        )
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> str | int | None:
         """What ended a stopped choice, as vLLM reports it: the request's stop string or stop token
@@ -92,6 +131,3 @@ class OutputProcessor:
         if token_id in seq.params.stop_token_ids and token_id not in self.eos_token_ids:
             return token_id
         return None
-
-    def _is_at_length_limit(self, seq: Sequence) -> bool:
-        return len(seq.output_token_ids) >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len

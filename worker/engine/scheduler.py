@@ -13,32 +13,36 @@ preempted: its blocks are freed and it waits at the head of its priority to be r
 
 With shared prefixes (``shared_prefix.py``), a sequence attaches at admission to the longest
 cached chain its prompt begins with; it is charged blocks only for its own tokens after it, and
-the prefix once, whoever reads it.
+the prefix once, whoever reads it. With the copying prefix cache (``prefix_cache.py``), its
+cached blocks are copied into its slot at admission.
+
+The scheduler owns every state change of a sequence (waiting → prefilling → decoding →
+finished, and back to waiting when preempted) and the KV cache's slots. It calls nothing of the
+engine's: what the engine keeps per slot follows from what ``schedule`` reports (the slot moves
+since the last step, the sequences admitted in this one), and ``complete_step`` is told what the
+model computed.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple
 
 from worker.engine.kv_blocks import KVBlockBudget
-from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.kv_cache import SlotKVCache
+from worker.engine.prefix_cache import PrefixCache
+from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from worker.engine.shared_prefix import SharedPrefixes
 
-SlotMover = Callable[[int, int, int], None]
 
+class SlotMove(NamedTuple):
+    """The sequence in slot ``src`` now runs in slot ``dst`` (compaction after one left)."""
 
-class SlotMemory(Protocol):
-    """The cache's memory, told what each slot holds (``SlotKVCache``)."""
-
-    def hold(self, slot: int, num_blocks: int, first_position: int = 0) -> None: ...
-
-    def vacate(self, slot: int) -> None: ...
-
-    def trim(self, max_blocks: int) -> None: ...
+    src: int
+    dst: int
 
 
 logger = logging.getLogger(__name__)
@@ -62,6 +66,10 @@ class ScheduledStep:
     # The step only prefills: it completes an interactive prompt while batch lines decode, and
     # its first token should not wait for a decode of every batch row (they decode next step).
     skip_decode: bool = False
+    # Since the last step, in order: slots whose sequence moved (their KV already has), then the
+    # sequences admitted to a slot. Per-slot state kept elsewhere (sampling) follows them.
+    slot_moves: list[SlotMove] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
 
     @property
     def decoding(self) -> list[Sequence]:
@@ -80,24 +88,26 @@ class Scheduler:
         num_slots: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        move_slot: SlotMover,
-        on_admit: Callable[[Sequence], None] | None = None,
         budget: KVBlockBudget | None = None,
-        memory: SlotMemory | None = None,
+        memory: SlotKVCache | None = None,
         prefixes: SharedPrefixes | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
+        """``memory``: the KV cache whose slots the sequences run in (None: slot order alone, for
+        tests); ``prefixes`` or ``prefix_cache``: prompt prefixes held once, or copied in."""
         self.max_running = min(num_slots, max_num_seqs)
         self.max_num_batched_tokens = max_num_batched_tokens
         # Decode can fill the whole budget at high concurrency; new prompts still get a share.
         self.min_prefill_tokens = max(1, max_num_batched_tokens // 4)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._move_slot = move_slot
-        self._on_admit = on_admit
+        self._slot_moves: list[SlotMove] = []
+        self._admitted: list[Sequence] = []
         # Without a budget (tests of slot order alone) every slot may hold a whole sequence.
         self.budget = budget or KVBlockBudget(2**62, 1)
         self._memory = memory
         self.prefixes = prefixes
+        self.prefix_cache = prefix_cache
         self._num_admitted = 0
         self.num_preemptions = 0
 
@@ -112,6 +122,10 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def add_finished(self, seq: Sequence) -> None:
+        """A choice an earlier attempt of its job already finished: it never runs here."""
+        seq.status = SequenceStatus.FINISHED
 
     def add(self, seq: Sequence) -> None:
         """Waiting sequences are admitted by priority (interactive before batch), FIFO within one."""
@@ -151,7 +165,29 @@ class Scheduler:
         if self._memory is not None:
             idle_blocks = self.prefixes.idle.num_blocks if self.prefixes is not None else 0
             self._memory.trim(self.budget.num_blocks + idle_blocks)
-        return ScheduledStep(list(self.running), chunks, skip_decode)
+        moves, self._slot_moves = self._slot_moves, []
+        admitted, self._admitted = self._admitted, []
+        return ScheduledStep(list(self.running), chunks, skip_decode, moves, admitted)
+
+    def complete_step(self, step: ScheduledStep) -> list[Sequence]:
+        """The model computed ``step``: its decoding rows one token further, its chunks' prompt
+        tokens in the cache. Returns the sequences that produce a token now, in the order of the
+        step's logits: the decoding rows, then those whose prompt this step completed."""
+        decoding = step.decoding
+        for seq in decoding:
+            seq.num_computed_tokens += 1
+        completed = []
+        for chunk in step.prefill_chunks:
+            chunk.seq.num_computed_tokens += chunk.length
+            if chunk.completes_prompt:
+                chunk.seq.status = SequenceStatus.DECODING
+                completed.append(chunk.seq)
+        return decoding + completed
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """``seq`` produced its last token; it leaves the batch."""
+        seq.finish_reason = reason
+        self.release(seq)
 
     def _make_room_to_decode(self) -> None:
         """Every decoding sequence gets the block its next token needs; where they do not all
@@ -214,8 +250,13 @@ class Scheduler:
         self.running.append(seq)
         seq.num_computed_tokens = seq.shared_len
         self._grow(seq, seq.num_prefill_tokens + 1)  # the whole prompt, and the first token
-        if self._on_admit is not None:
-            self._on_admit(seq)
+        num_cached = seq.shared_len  # a shared prefix, attached before admission
+        if self.prefix_cache is not None and self._memory is not None:
+            num_cached = self.prefix_cache.load(seq.prefill_token_ids, self._memory, seq.slot)
+            seq.num_computed_tokens = num_cached
+        if not seq.num_preemptions:  # usage reports the prompt's cached tokens, once
+            seq.num_cached_tokens = num_cached
+        self._admitted.append(seq)
 
     def release(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out; the last slot fills its hole."""
@@ -232,12 +273,16 @@ class Scheduler:
         hole, last = seq.slot, self.running[-1]
         assert hole is not None
         self.budget.free(seq)
+        self._admitted = [admitted for admitted in self._admitted if admitted is not seq]  # not yet reported
         if self.prefixes is not None:
             self.prefixes.detach(seq)
         self.running.pop()
         seq.slot = None
         if last is not seq:
-            self._move_slot(last.slot, hole, last.num_computed_tokens)  # type: ignore[arg-type]
+            assert last.slot is not None
+            if self._memory is not None:
+                self._memory.move_slot(last.slot, hole, last.num_computed_tokens)
+            self._slot_moves.append(SlotMove(last.slot, hole))
             last.slot = hole
             self.running[hole] = last
         if self._memory is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum, auto
+from enum import Enum, StrEnum, auto
 from typing import TYPE_CHECKING
 
 from shared.events import StartEvent
@@ -16,6 +16,14 @@ from worker.structured import CompiledConstraint
 
 if TYPE_CHECKING:
     from worker.engine.shared_prefix import PrefixSlot
+
+
+class FinishReason(StrEnum):
+    """Why a choice ended, as the OpenAI API names it."""
+
+    STOP = "stop"  # EOS, a stop token or string, or a grammar that cannot go on
+    LENGTH = "length"  # max_tokens, or the context is full
+    TOOL_CALLS = "tool_calls"  # stopped after calling tools
 
 
 class SequenceStatus(Enum):
@@ -108,7 +116,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.admit_order = 0  # when it was last admitted: the newest is preempted first
         self.num_preemptions = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None  # set by the scheduler as it finishes
         self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
         self.stop_checker = StopStringChecker(self.params.stop_strings + self.params.markup_stop_strings)
         self.pipeline = request.make_pipeline() if request.make_pipeline is not None else None
