@@ -52,8 +52,9 @@ class WorkerSettings(CommonSettings):
             "Small decode batches (up to 4 rows) read packed low-bit copies of the native forward's matmul "
             "weights (CPU; faster single streams, more weight memory): int8 per channel, or int4 in groups of 32 "
             "(a 4-bit GGUF's own groups where the model came from one, else quantized at load), with an int8 "
-            "head. auto: int4 where the model carries a 4-bit GGUF's groups (the default model does), none "
-            "elsewhere; none: the serving dtype only."
+            "head. auto: int4 where the model carries a 4-bit GGUF's groups (the default model does) and "
+            "--deterministic is off, none elsewhere; none: the serving dtype only. With --deterministic on, int8 and "
+            "int4 serve matmuls of every row count (the same text alone or batched; slower batches)."
         ),
     )
     max_model_len: int | None = Field(
@@ -95,8 +96,8 @@ class WorkerSettings(CommonSettings):
         description=(
             "One stream's decode step compiled ahead of time (AOTInductor; 1.3–1.5x faster on CPU): auto builds it "
             "in a background process at the first start of a model (the worker serves eagerly meanwhile), "
-            "caches it under --cache-dir and loads it at later starts; CPU, native forward, C++ compiler only. "
-            "off: the eager step only."
+            "caches it under --cache-dir and loads it at later starts; CPU, native forward, C++ compiler and "
+            "--deterministic off only. off: the eager step only."
         ),
     )
     prefix_cache_memory_gib: float = Field(
