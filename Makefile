@@ -40,7 +40,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 llama-server: $(INSTALLED)
 	scripts/build-llama-server.sh $(PY)
 
-## Serving benchmark (CPU: ~8 min; with llama-server as a peer when built): table on stdout, bench/results/serving.{json,png}.
+## Serving benchmark (CPU: ~14 min; with llama-server as a peer when built; --deterministic on and off): table on stdout, bench/results/serving.{json,png}.
 bench: $(BENCH_INSTALLED)
 	$(PY) -m bench.serving_bench $(ARGS)
 
