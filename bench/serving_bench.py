@@ -118,59 +118,55 @@ def prefix_scenario(loaded: Any, args: argparse.Namespace) -> dict[str, float | 
     return result
 
 
-def kv_layout_scenario(loaded: Any, args: argparse.Namespace, texts: list[str], streams: int = 32) -> dict[str, Any]:
-    """(b) at ``streams`` clients with the KV cache held by tokens (the default) and split into
-    full-length slots (as before), the same requests alternated three times each so that machine
-    noise hits both alike; the ratio is of the medians."""
-    tok_s: dict[str, list[float]] = {"tokens": [], "slots": []}
-    base = engine_config(args, streams).__dict__
-    engines = {label: InProcessEngine(loaded, EngineConfig(**{**base, "kv_held_by_tokens": label == "tokens"}))
-               for label in tok_s}  # fmt: skip
-    bodies = bodies_for(texts[:streams], args.output_tokens)
+def alternated(
+    engines: dict[str, InProcessEngine], bodies: list[dict[str, Any]], rounds: int = 3
+) -> dict[str, list[float]]:
+    """Each engine's tok/s over the same requests, run in turn ``rounds`` times after a warm-up
+    (a first full run is ~30 % slower: allocator, caches), so that machine noise hits all alike."""
+    tok_s: dict[str, list[float]] = {label: [] for label in engines}
     for engine in engines.values():
-        engine.run(bodies)  # warm-up: a first full run is ~30 % slower (allocator, caches)
-    for _ in range(3):
+        engine.run(bodies)
+    for _ in range(rounds):
         for label, engine in engines.items():
-            tok_s[label].append(summarize(label, streams, engine.run(bodies)).tok_s)
+            tok_s[label].append(summarize(label, len(bodies), engine.run(bodies)).tok_s)
     for engine in engines.values():
         engine.close()
+    return tok_s
+
+
+def ratio_of_medians(tok_s: dict[str, list[float]], first: str, second: str, what: str) -> float:
     medians = {label: statistics.median(values) for label, values in tok_s.items()}
-    print(f"  KV held by tokens vs full-length slots at {streams} streams: {medians}", flush=True)
-    return {
-        "streams": streams,
-        "tok_s_held_by_tokens": tok_s["tokens"],
-        "tok_s_full_length_slots": tok_s["slots"],
-        "ratio_of_medians": medians["tokens"] / medians["slots"],
-    }
+    print(f"  {what}: {medians}", flush=True)
+    return medians[first] / medians[second]
+
+
+def kv_layout_scenario(loaded: Any, args: argparse.Namespace, texts: list[str], streams: int = 32) -> dict[str, Any]:
+    """(b) at ``streams`` clients with the KV cache held by tokens (the default) and split into
+    full-length slots (as before), alternated three times; the ratio is of the medians."""
+    base = engine_config(args, streams).__dict__
+    engines = {label: InProcessEngine(loaded, EngineConfig(**{**base, "kv_held_by_tokens": label == "tokens"}))
+               for label in ("tokens", "slots")}  # fmt: skip
+    tok_s = alternated(engines, bodies_for(texts[:streams], args.output_tokens))
+    ratio = ratio_of_medians(tok_s, "tokens", "slots", f"KV held by tokens vs full-length slots at {streams} streams")
+    return {"streams": streams, "tok_s_held_by_tokens": tok_s["tokens"], "tok_s_full_length_slots": tok_s["slots"],
+            "ratio_of_medians": ratio}  # fmt: skip
 
 
 def determinism_scenario(loaded: Any, args: argparse.Namespace, texts: list[str], streams: int = 32) -> dict[str, Any]:
     """(b) at ``streams`` clients with ``--deterministic on`` and ``off`` (each model loaded as the
-    worker loads it), the same requests alternated three times each; the ratio is of the medians."""
-    models = {"on": loaded} if args.deterministic == "on" else {"off": loaded}
+    worker loads it), alternated three times; the ratio is of the medians."""
     other = "off" if args.deterministic == "on" else "on"
-    models[other] = load_model(
-        args.model, WorkerSettings().cache_dir, args.device, args.dtype, args.max_model_len,
-        deterministic=other == "on",
-    )  # fmt: skip
-    tok_s: dict[str, list[float]] = {"on": [], "off": []}
-    engines = {label: InProcessEngine(models[label], engine_config(args, streams)) for label in tok_s}
-    bodies = bodies_for(texts[:streams], args.output_tokens)
-    for engine in engines.values():
-        engine.run(bodies)  # warm-up
-    for _ in range(3):
-        for label, engine in engines.items():
-            tok_s[label].append(summarize(label, streams, engine.run(bodies)).tok_s)
-    for engine in engines.values():
-        engine.close()
-    medians = {label: statistics.median(values) for label, values in tok_s.items()}
-    print(f"  --deterministic on vs off at {streams} streams: {medians}", flush=True)
-    return {
-        "streams": streams,
-        "tok_s_on": tok_s["on"],
-        "tok_s_off": tok_s["off"],
-        "on_over_off": medians["on"] / medians["off"],
-    }
+    models = {
+        args.deterministic: loaded,
+        other: load_model(
+            args.model, WorkerSettings().cache_dir, args.device, args.dtype, args.max_model_len,
+            deterministic=other == "on",
+        ),
+    }  # fmt: skip
+    engines = {label: InProcessEngine(models[label], engine_config(args, streams)) for label in ("on", "off")}
+    tok_s = alternated(engines, bodies_for(texts[:streams], args.output_tokens))
+    ratio = ratio_of_medians(tok_s, "on", "off", f"--deterministic on vs off at {streams} streams")
+    return {"streams": streams, "tok_s_on": tok_s["on"], "tok_s_off": tok_s["off"], "on_over_off": ratio}
 
 
 @contextlib.contextmanager

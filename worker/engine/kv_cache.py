@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from worker.engine.model_config import text_config
+from worker.native.batch_invariant import KEY_BLOCK
 
 
 @dataclass(frozen=True)
@@ -122,11 +123,14 @@ class SlotKVCache:
         self.layout = layout
         self.num_slots = num_slots
         self.max_model_len = max_model_len
+        # Positions per slot: whole blocks of batch-invariant attention's key reads (lazily backed
+        # memory on the CPU: the few positions past max_model_len are never written).
+        self.positions = -(-max_model_len // KEY_BLOCK) * KEY_BLOCK
         self.scratch_slot = num_slots
         self.first_prefix_slot = num_slots + 1
         self.num_prefix_slots = num_prefix_slots
         num_all = num_slots + 1 + num_prefix_slots
-        shape = (num_all, layout.num_kv_heads, max_model_len, layout.head_dim)
+        shape = (num_all, layout.num_kv_heads, self.positions, layout.head_dim)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._mappings: list[mmap.mmap] = []  # the lazily backed memory under keys and values
@@ -294,9 +298,9 @@ class SlotKVCache:
             return
         page = mmap.PAGESIZE
         for head in range(self.layout.num_kv_heads):
-            row = (slot * self.layout.num_kv_heads + head) * self.max_model_len
+            row = (slot * self.layout.num_kv_heads + head) * self.positions
             start = -(-(row + first) * self._row_bytes // page) * page
-            stop = (row + min(end, self.max_model_len)) * self._row_bytes // page * page
+            stop = (row + min(end, self.positions)) * self._row_bytes // page * page
             if stop > start:
                 for mapping in self._mappings:
                     mapping.madvise(mmap.MADV_DONTNEED, start, stop - start)

@@ -158,12 +158,11 @@ class Attention(nn.Module):
     def _attend_invariant(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """Every step's attention, decode or prefill, computed one way (``batch_invariant.py``);
-        ``[rows, heads, q, dim]``."""
+        """Every step's attention, decode or prefill, computed one way (``batch_invariant.py``;
+        ``mask`` from ``batch_invariant.additive_mask``); ``[rows, heads, q, dim]``."""
+        assert mask is not None, "batch-invariant attention always reads a mask"
         rows, _, query_len, _ = query.shape
         grouped = query.reshape(rows, self.num_kv_heads, self.group_size * query_len, self.head_dim)
-        if mask is not None and query_len > 1 and self.group_size > 1:
-            mask = mask.repeat(1, 1, self.group_size, 1)
         out = batch_invariant.attention(grouped, key, value, mask, self.scale)
         return out.reshape(rows, self.num_heads, query_len, self.head_dim)
 
@@ -293,6 +292,9 @@ class NativeCausalLM(nn.Module):
         broadcastable to ``[rows, heads, query_len, kv_len]``, True where a query may attend."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self._rope(position_ids)
+        if self.batch_invariant:
+            group_size = self.config.num_attention_heads // self.config.num_key_value_heads
+            mask = batch_invariant.additive_mask(mask, group_size, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, rope, mask, cache)
         return self.model.norm(hidden)
