@@ -66,9 +66,10 @@ def test_the_direct_tokenizer_behaves_as_autotokenizer(tokenizer_dir: Path) -> N
 def test_a_new_cpu_kv_cache_is_zeros_and_each_layer_is_its_own_memory() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         layout = KVCacheLayout(3, 2, 8, dtype, torch.device("cpu"))
-        cache = SlotKVCache(layout, 4, 32)
+        cache = SlotKVCache(layout, 4, 100)
+        assert cache.positions == 128  # whole blocks of 64 keys (batch-invariant attention reads them)
         tensors = [*cache.keys, *cache.values]
-        assert all(t.dtype == dtype and t.shape == (5, 2, 32, 8) and not t.any() for t in tensors)
+        assert all(t.dtype == dtype and t.shape == (5, 2, 128, 8) and not t.any() for t in tensors)
         for i, tensor in enumerate(tensors):
             tensor.fill_(i + 1)
         assert [int(t[0, 0, 0, 0]) for t in tensors] == list(range(1, len(tensors) + 1))
