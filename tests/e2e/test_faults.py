@@ -328,9 +328,10 @@ def test_3_a_worker_back_with_the_same_id_does_not_inherit_the_dead_ones_stream(
             victim.popen.send_signal(signal.SIGKILL)
             victim.popen.wait()
             killed_at.append(time.monotonic())
-            # Same --worker-id, at once: its registry entry still looks alive.
+            # Same --worker-id, at once: its registry entry still looks alive. Same dtype as the
+            # fixture's workers (the default), so the continuation is the same text.
             settings = {
-                "model": tiny_model_path, "served_model_name": MODEL, "dtype": "float32", "max_model_len": 1024,
+                "model": tiny_model_path, "served_model_name": MODEL, "max_model_len": 1024,
                 "worker_id": f"{two_workers.key_prefix}-worker{index}", "heartbeat_interval_s": 0.5,
             }  # fmt: skip
             two_workers.workers[index] = two_workers._spawn("worker", f"worker{index}-again", settings)
