@@ -13,6 +13,7 @@ import fcntl
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from worker.named_models import NAMED_MODELS, NamedModelError, assemble_gguf
 from worker.native.decoder import NativeCausalLM
 from worker.native.gguf_groups import GROUPS_FILE, extract_int4_groups, load_groups, save_groups
 from worker.native.loader import load_native
-from worker.native.quantize import PACKED_MAX_ROWS, Quantization, quantize
+from worker.native.quantize import PACKED_MAX_ROWS, Quantization, every_row_variant_shapes, quantize
 from worker.native.spec import UnsupportedCheckpoint, read_decoder_spec, read_eos_token_ids
 from worker.settings import DEFAULT_MODEL
 
@@ -295,15 +296,25 @@ def _load_forward(
 
 
 def _set_deterministic(model: NativeCausalLM, deterministic: bool) -> None:
-    """Batch-invariant numerics (``worker/native/batch_invariant.py``) where they hold: bf16 on the CPU."""
-    holds = model.dtype == torch.bfloat16 and model.device.type == "cpu"
-    model.set_batch_invariant(deterministic and holds)
-    if deterministic and not holds:
+    """Batch-invariant numerics (``worker/native/batch_invariant.py``) where they hold: bf16 on the
+    CPU, checked at load on this CPU's kernels at the thread counts a worker may run with (its
+    host pool gives it 1 up to all of its cores)."""
+    if not deterministic:
+        return
+    if model.dtype != torch.bfloat16 or model.device.type != "cpu":
         logger.warning("--deterministic on holds for bfloat16 on the CPU only; this model runs %s on %s, "
                        "so a request's text may depend on the batch it shares", model.dtype, model.device)  # fmt: skip
-    elif deterministic:
-        logger.info("deterministic numerics: a request's text does not depend on the batch, the prefix cache "
-                    "or prefill chunking (--deterministic on)")  # fmt: skip
+        return
+    cores = len(os.sched_getaffinity(0))
+    thread_counts = tuple(sorted({1, min(2, cores), cores}))
+    variant = every_row_variant_shapes(model, thread_counts)
+    if variant or not model.set_batch_invariant(True, thread_counts=thread_counts):
+        logger.warning("--deterministic on: this CPU's matmul kernels give a row other bits in other batches "
+                       "(shapes %s, or see the warning above), so a request's text may depend on the batch it "
+                       "shares", variant)  # fmt: skip
+        return
+    logger.info("deterministic numerics: a request's text does not depend on the batch, the prefix cache "
+                "or prefill chunking (--deterministic on)")  # fmt: skip
 
 
 def load_model(

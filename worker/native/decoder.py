@@ -9,6 +9,7 @@ through the engine's slot cache.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -19,6 +20,8 @@ from worker.engine.kv_cache import SharedGroup
 from worker.native import batch_invariant
 from worker.native.shared_attention import attend_with_prefixes
 from worker.native.spec import DecoderSpec
+
+logger = logging.getLogger(__name__)
 
 
 class StepCache(Protocol):
@@ -36,7 +39,9 @@ class Linear(nn.Module):
     checkpoint, and initialising on the meta device pulls in torch's decomposition machinery
     (~2 s of imports)."""
 
-    batch_invariant = False  # set per instance by NativeCausalLM.set_batch_invariant
+    # Set by NativeCausalLM.set_batch_invariant: the matmul then runs there, on its own (packed)
+    # copy of the weight, and ``weight`` is left empty.
+    invariant: batch_invariant.InvariantMatmul | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -44,9 +49,17 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            return batch_invariant.linear(x, self.weight, self.bias)
+        if self.invariant is not None:
+            return self.invariant(x)
         return F.linear(x, self.weight, self.bias)
+
+    def set_invariant(self, matmul: batch_invariant.InvariantMatmul | None) -> None:
+        """Hand the weight to ``matmul`` (None: take it back)."""
+        if matmul is None and self.invariant is not None:
+            self.weight = nn.Parameter(self.invariant.dense_weight(), requires_grad=False)
+        elif matmul is not None:
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        self.invariant = matmul
 
 
 class JoinedLinear(Linear):
@@ -237,6 +250,7 @@ class NativeCausalLM(nn.Module):
         # A module that computes the logits in place of the (tied) head weight: the quantized head.
         self.head: nn.Module | None = None
         self.batch_invariant = False
+        self.invariant_head: batch_invariant.InvariantMatmul | None = None  # a tied head's, when invariant
         self.inv_freq: torch.Tensor = torch.empty(0)
         # cos and [-sin, sin] of every position, [positions, head_dim] (see ``set_rope``).
         self.rope_cos: torch.Tensor = torch.empty(0)
@@ -264,13 +278,37 @@ class NativeCausalLM(nn.Module):
         self.rope_cos = torch.cat((freqs, freqs), dim=-1).cos().to(self.dtype)
         self.rope_signed_sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
 
-    def set_batch_invariant(self, on: bool) -> None:
+    def set_batch_invariant(self, on: bool, thread_counts: tuple[int, ...] = (1,)) -> bool:
         """Every matmul and attention computed so that a row's bits do not depend on the step
-        it shares (``batch_invariant.py``); the quantized matmuls decide for themselves."""
+        it shares (``batch_invariant.py``); the quantized matmuls decide for themselves. The
+        matmuls are checked at ``thread_counts`` (and the one in use); returns False, leaving the
+        model as it was, where a matmul could not be made invariant on this CPU."""
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        if not on:
+            for linear in linears:
+                linear.set_invariant(None)
+            self.invariant_head = None
+        else:
+            counts = tuple(sorted({*thread_counts, torch.get_num_threads()}))
+            verified: dict[tuple[int, ...], int] = {}
+            matmuls = [batch_invariant.invariant_matmul(m.weight, m.bias, counts, verified) for m in linears]
+            tied_head = self.head is None and self.lm_head is None  # the embedding keeps its own rows
+            head = None
+            if tied_head:
+                head = batch_invariant.invariant_matmul(self.model.embed_tokens.weight, None, counts, verified)
+            if any(matmul is None for matmul in matmuls) or (tied_head and head is None):
+                logger.warning("no invariant matmul found on this CPU for shapes %s",
+                               sorted(shape for shape, tile in verified.items() if not tile))  # fmt: skip
+                return False
+            for linear, matmul in zip(linears, matmuls, strict=True):
+                linear.set_invariant(matmul)
+            self.invariant_head = head
+            logger.info("batch-invariant matmuls: tiles of %s rows", sorted({t for t in verified.values()}))
         for module in self.modules():
-            if isinstance(module, (Linear, Attention)):
+            if isinstance(module, Attention):
                 module.batch_invariant = on
         self.batch_invariant = on
+        return True
 
     def join_projections(self) -> None:
         """After the checkpoint is loaded (its names are the separate projections'): q/k/v and
@@ -302,7 +340,8 @@ class NativeCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             return self.head(hidden)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.batch_invariant:
-            return batch_invariant.linear(hidden, weight, None)
-        return F.linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        if self.invariant_head is not None:
+            return self.invariant_head(hidden)
+        return F.linear(hidden, self.model.embed_tokens.weight)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.native.batch_invariant import ROW_TILES, is_row_invariant
 from worker.native.decoder import JoinedLinear, Linear, NativeCausalLM
 from worker.native.gguf_groups import GROUP_SIZE, Int4Groups
 
@@ -160,3 +161,16 @@ def quantize(
             if isinstance(module, _SmallBatchLinear):
                 module.max_rows = None
     return applied
+
+
+def every_row_variant_shapes(model: NativeCausalLM, thread_counts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The ``[out, in]`` shapes of the packed matmuls serving every row (``every_row``) whose bits
+    for a row depend on the rows beside it on this CPU (``batch_invariant.is_row_invariant``, in
+    calls of up to ``2 * ROW_TILES[0] + 5`` rows); checked once per shape."""
+    checked: dict[tuple[int, int], bool] = {}
+    for module in model.modules():
+        if isinstance(module, _SmallBatchLinear) and module.max_rows is None:
+            shape = (module.weight.shape[0], module.weight.shape[1])
+            if shape not in checked:
+                checked[shape] = is_row_invariant(module, shape[1], module.weight.dtype, ROW_TILES[0], thread_counts)
+    return [shape for shape, holds in checked.items() if not holds]
