@@ -85,10 +85,10 @@ class WorkerSettings(CommonSettings):
         default="on",
         description=(
             "on: a request's text depends on the request alone (greedy, or sampled with a seed), not on the "
-            "batch it shares, the prefix cache or how its prompt was chunked: batch-invariant matmuls and "
-            "attention (bf16 on the CPU, native forward), the bf16 weights for every matmul (--quantization auto "
-            "packs nothing; int4/int8 serve every row), no compiled one-row step, cached prefixes copied rather "
-            "than held once. off: the fastest kernels for each batch size."
+            "batch it shares, the prefix cache or how its prompt was chunked: batch-invariant matmuls (checked "
+            "on this CPU at load) and attention (bf16 on the CPU, native forward), the bf16 weights for every "
+            "matmul (--quantization auto packs nothing; int4/int8 serve every row), no compiled one-row step, "
+            "cached prefixes copied rather than held once. off: the fastest kernels for each batch size."
         ),
     )
     compile_decode: Literal["auto", "off"] = Field(
