@@ -18,13 +18,13 @@ SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576), (2048, 1024), (102
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
 def test_a_rows_matmul_bits_do_not_depend_on_the_rows_beside_it(out_features: int, in_features: int) -> None:
-    """The checked tile holds well past what the check tries: any row alone, in any slice of up
-    to 300 rows, at one thread and at two, with a bias."""
+    """The form the check finds on this CPU holds well past what the check tries: any row alone,
+    in any slice of up to 300 rows, at one thread and at two, with a bias."""
     torch.manual_seed(0)
     weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
     bias = torch.randn(out_features).to(torch.bfloat16)
     matmul = batch_invariant.invariant_matmul(weight, bias, (1, 2), {})
-    assert matmul is not None and matmul.packed and matmul.tile in batch_invariant.ROW_TILES
+    assert matmul is not None and matmul.form in batch_invariant.CANDIDATES
     x = torch.randn(300, in_features).to(torch.bfloat16)
     every_row = matmul(x)
     assert (every_row.float() - F.linear(x, weight, bias).float()).abs().max() < 0.05  # the same product
@@ -95,7 +95,26 @@ def test_a_model_hands_its_weights_to_the_invariant_matmuls_and_takes_them_back(
     assert torch.equal(model.logits(hidden), plain)
 
 
-def test_where_no_tile_holds_the_model_is_left_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_check_falls_through_to_the_next_form_and_padded_calls_keep_their_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the packed forms fail (stood in for by a check that refuses them), the next form is
+    taken: ``F.linear`` with a lone row computed as two (the rule that held on Zen 4)."""
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 64) * 0.05).to(torch.bfloat16)
+    refuse_packed = lambda matmul, *args: not matmul.form.packed  # noqa: E731
+    monkeypatch.setattr(batch_invariant, "is_row_invariant", refuse_packed)
+    verified: dict[tuple[int, ...], batch_invariant.MatmulForm | None] = {}
+    matmul = batch_invariant.invariant_matmul(weight, None, (1,), verified)
+    assert matmul is not None and matmul.form == batch_invariant.MatmulForm(False, 64, 2) and not matmul.packed
+    assert verified == {(96, 64, 0): matmul.form}
+    x = torch.randn(150, 64).to(torch.bfloat16)
+    assert matmul(x[:1]).shape == (1, 96) and matmul(x).shape == (150, 96)
+    assert torch.equal(matmul(x[:1]), F.linear(x[:1].expand(2, -1).contiguous(), weight)[:1])
+    assert torch.equal(matmul(x)[64:128], F.linear(x[64:128], weight))  # the second tile, alone
+
+
+def test_where_no_form_holds_the_model_is_left_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU whose kernels fail the check: no promise, and nothing half-changed."""
     model = _tiny_native_model()
     monkeypatch.setattr(batch_invariant, "is_row_invariant", lambda *args: False)

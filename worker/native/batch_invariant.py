@@ -9,12 +9,13 @@ checks each on torch's own kernels):
   row count, and the choice differs between CPUs: on AMD Zen 4 one row alone differed from the
   same row among two or more; on an Intel Xeon with AMX whole ranges of row counts (2-32, 33-479,
   ...) gave other bits, some shapes flipping back and forth. No rule about row counts is safe to
-  assume, so it is checked instead: each weight is packed once for oneDNN (the layout fixes the
-  kernel's blocking), every matmul runs in tiles of at most ``tile`` rows, and at load time
-  ``row_tile`` checks on the model's own weights that a row gets the same bits in a call of
-  any 1..tile rows, at any place in it, at one thread and at the worker's count, taking the
-  largest tile of ``ROW_TILES`` that holds (64 on both CPUs). Rows beyond a tile are separate
-  calls, which costs long prefills some speed (see README's Determinism section).
+  assume, so it is checked instead: every matmul runs in tiles of at most ``tile`` rows (rows
+  beyond a tile are separate calls, which costs long prefills some speed), and at load time
+  ``invariant_matmul`` tries the forms of ``CANDIDATES`` in order on the model's own weights
+  (oneDNN's packed layout, which fixes the kernel's blocking and is the fastest; calls padded to
+  ``min_rows``; ``F.linear``), keeping the first with which a row gets the same bits in a call
+  of any 1..tile rows, at any place in it, at one thread, two and all the worker's cores. On the
+  Xeon the first holds for every shape checked.
 - torch's CPU flash attention gives a query the same bits in any call when two things hold:
   the keys' count is a multiple of ``KEY_BLOCK`` (its reductions then never reach a scalar tail;
   the caller reads keys past the rows' lengths, masked), and none of its query blocks has fewer
@@ -26,18 +27,33 @@ checks each on torch's own kernels):
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
-
 KEY_BLOCK = 64  # a multiple of every vector width the kernels use
 MIN_QUERY_ROWS = 4
-ROW_TILES = (64, 32, 16)  # tried in this order: larger tiles make prefills faster
+
+
+@dataclass(frozen=True)
+class MatmulForm:
+    """How a matmul is called: on oneDNN's packed weight or through ``F.linear``, in tiles of at
+    most ``tile`` rows, each call padded to at least ``min_rows`` rows (repeats of its last row)."""
+
+    packed: bool
+    tile: int
+    min_rows: int = 1
+
+
+# Tried in this order: packed is fastest, larger tiles make prefills faster, padding costs single
+# streams. (False, 64, 2) is Zen 4's rule (a lone row computed as two); full tiles are the last resort.
+CANDIDATES = (
+    MatmulForm(True, 64), MatmulForm(True, 64, 2), MatmulForm(False, 64, 2), MatmulForm(True, 32),
+    MatmulForm(True, 16), MatmulForm(True, 64, 64), MatmulForm(False, 64, 64),
+)  # fmt: skip
+ROW_TILES = tuple(sorted({form.tile for form in CANDIDATES}, reverse=True))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -53,29 +69,34 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 @dataclass
 class InvariantMatmul:
-    """``y = x W^T (+ b)`` in tiles of at most ``tile`` rows, on oneDNN's packed weight (or plain
-    ``F.linear`` where it could not be packed); ``row_tile`` finds a tile that is invariant."""
+    """``y = x W^T (+ b)`` called as ``form`` says, on ``weight`` (packed by ``pack`` when
+    ``form.packed``); ``invariant_matmul`` finds a form that is batch-invariant."""
 
-    weight: torch.Tensor  # packed (``pack``) or plain
+    weight: torch.Tensor
     bias: torch.Tensor | None
-    tile: int
+    form: MatmulForm
 
     @property
     def packed(self) -> bool:
         return self.weight.is_mkldnn
 
     def _call(self, rows: torch.Tensor) -> torch.Tensor:
+        count = rows.shape[0]
+        if count < self.form.min_rows:
+            rows = torch.cat([rows, rows[-1:].expand(self.form.min_rows - count, -1)])
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
-        return F.linear(rows, self.weight, self.bias)
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        else:
+            out = F.linear(rows, self.weight, self.bias)
+        return out[:count]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
-        rows = flat.shape[0]
-        if rows <= self.tile:
+        rows, tile = flat.shape[0], self.form.tile
+        if rows <= tile:
             out = self._call(flat)
         else:
-            out = torch.cat([self._call(flat[start : start + self.tile]) for start in range(0, rows, self.tile)])
+            out = torch.cat([self._call(flat[start : start + tile]) for start in range(0, rows, tile)])
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def dense_weight(self) -> torch.Tensor:
@@ -112,22 +133,29 @@ def is_row_invariant(
 
 
 def invariant_matmul(
-    weight: torch.Tensor, bias: torch.Tensor | None, thread_counts: Iterable[int], verified: dict[tuple[int, ...], int]
-) -> InvariantMatmul | None:
-    """``weight``'s matmul with the largest tile of ``ROW_TILES`` that ``is_row_invariant`` holds for
-    (None where none does). ``verified`` remembers the tile per shape, so a model's thirty layers
+    weight: torch.Tensor, bias: torch.Tensor | None, thread_counts: Iterable[int],
+    verified: dict[tuple[int, ...], MatmulForm | None],
+) -> InvariantMatmul | None:  # fmt: skip
+    """``weight``'s matmul in the first form of ``CANDIDATES`` that ``is_row_invariant`` holds for
+    (None where none does). ``verified`` remembers the form per shape, so a model's thirty layers
     are checked once per shape."""
     packed = pack(weight)
     out_features, in_features = weight.shape
-    key = (out_features, in_features, int(bias is not None), int(packed is not None))
-    candidates = ROW_TILES if key not in verified else (verified[key],) if verified[key] else ()
+    key = (out_features, in_features, int(bias is not None))
+    if key in verified:
+        form = verified[key]
+        if form is None or (form.packed and packed is None):
+            return None
+        return InvariantMatmul(packed if form.packed else weight, bias, form)
     counts = tuple(thread_counts)
-    for tile in candidates:
-        matmul = InvariantMatmul(weight if packed is None else packed, bias, tile)
-        if key in verified or is_row_invariant(matmul, in_features, weight.dtype, tile, counts):
-            verified[key] = tile
+    for form in CANDIDATES:
+        if form.packed and packed is None:
+            continue
+        matmul = InvariantMatmul(packed if form.packed else weight, bias, form)
+        if is_row_invariant(matmul, in_features, weight.dtype, form.tile, counts):
+            verified[key] = form
             return matmul
-    verified[key] = 0
+    verified[key] = None
     return None
 
 

@@ -290,7 +290,7 @@ class NativeCausalLM(nn.Module):
             self.invariant_head = None
         else:
             counts = tuple(sorted({*thread_counts, torch.get_num_threads()}))
-            verified: dict[tuple[int, ...], int] = {}
+            verified: dict[tuple[int, ...], batch_invariant.MatmulForm | None] = {}
             matmuls = [batch_invariant.invariant_matmul(m.weight, m.bias, counts, verified) for m in linears]
             tied_head = self.head is None and self.lm_head is None  # the embedding keeps its own rows
             head = None
@@ -298,12 +298,13 @@ class NativeCausalLM(nn.Module):
                 head = batch_invariant.invariant_matmul(self.model.embed_tokens.weight, None, counts, verified)
             if any(matmul is None for matmul in matmuls) or (tied_head and head is None):
                 logger.warning("no invariant matmul found on this CPU for shapes %s",
-                               sorted(shape for shape, tile in verified.items() if not tile))  # fmt: skip
+                               sorted(shape[:2] for shape, form in verified.items() if form is None))  # fmt: skip
                 return False
             for linear, matmul in zip(linears, matmuls, strict=True):
                 linear.set_invariant(matmul)
             self.invariant_head = head
-            logger.info("batch-invariant matmuls: tiles of %s rows", sorted({t for t in verified.values()}))
+            logger.info("batch-invariant matmuls (checked on this CPU): %s",
+                        ", ".join(f"{shape[0]}x{shape[1]} {form}" for shape, form in verified.items()))  # fmt: skip
         for module in self.modules():
             if isinstance(module, Attention):
                 module.batch_invariant = on
