@@ -78,7 +78,7 @@ class InvariantMatmul:
 
     @property
     def packed(self) -> bool:
-        return self.weight.is_mkldnn
+        return self.form.packed
 
     def _call(self, rows: torch.Tensor) -> torch.Tensor:
         count = rows.shape[0]
@@ -139,23 +139,22 @@ def invariant_matmul(
     """``weight``'s matmul in the first form of ``CANDIDATES`` that ``is_row_invariant`` holds for
     (None where none does). ``verified`` remembers the form per shape, so a model's thirty layers
     are checked once per shape."""
-    packed = pack(weight)
     out_features, in_features = weight.shape
     key = (out_features, in_features, int(bias is not None))
     if key in verified:
         form = verified[key]
-        if form is None or (form.packed and packed is None):
-            return None
-        return InvariantMatmul(packed if form.packed else weight, bias, form)
-    counts = tuple(thread_counts)
-    for form in CANDIDATES:
+        candidates: tuple[MatmulForm, ...] = () if form is None else (form,)
+    else:
+        candidates = CANDIDATES
+    packed = pack(weight) if any(form.packed for form in candidates) else None  # once, and only if used
+    for form in candidates:
         if form.packed and packed is None:
             continue
         matmul = InvariantMatmul(packed if form.packed else weight, bias, form)
-        if is_row_invariant(matmul, in_features, weight.dtype, form.tile, counts):
+        if key in verified or is_row_invariant(matmul, in_features, weight.dtype, form.tile, tuple(thread_counts)):
             verified[key] = form
             return matmul
-    verified[key] = None
+    verified.setdefault(key, None)
     return None
 
 
