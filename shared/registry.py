@@ -38,6 +38,11 @@ class WorkerInfo(BaseModel):
     sizes_own_threads: bool = Field(
         default=False, description="Its torch threads follow its share of the cores (no --num-threads given)."
     )
+    deterministic: bool = Field(
+        default=False,
+        description="A request's text depends on the request alone here: exact kernels, and its load-time "
+        "self-test (alone, batched, cached, other thread counts) passed.",
+    )
 
 
 class ModelRecord(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from worker.embedding.engine import EmbeddingEngine
 from worker.embedding.loader import LoadedEmbedder, is_embedding_model, load_embedder
 from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
 from worker.engine.engine import LLMEngine
+from worker.engine.self_test import check_determinism
 from worker.engine_thread import EngineThread
 from worker.host_pool import HostPool
 from worker.job_handlers import EmbeddingHandler, Engine, GenerationHandler, JobHandler
@@ -105,8 +107,23 @@ class WorkerProcess:
             prefix_cache_bytes=int(s.prefix_cache_memory_gib * 2**30),
         )
         engine = build_engine(loaded.model, loaded.tokenizer, config, loaded.eos_token_ids, self.publisher.sink)
+        self._test_determinism(loaded)
         self._compile_decode(loaded, engine)
         return engine
+
+    def _test_determinism(self, loaded: LoadedModel) -> None:
+        """Claim the deterministic promise only where the whole step keeps it on this machine."""
+        model = loaded.model
+        if not (isinstance(model, NativeCausalLM) and model.deterministic):
+            return
+        cores = len(os.sched_getaffinity(0))
+        result = check_determinism(model, loaded.tokenizer, loaded.eos_token_ids, {1, cores})
+        if result.holds:
+            logger.info("deterministic self-test passed in %.1f s (%s)", result.seconds, result.detail)
+        else:
+            logger.warning("--deterministic on: the self-test failed (%s), so this worker does not promise "
+                           "that a request's text is the same in any batch", result.detail)  # fmt: skip
+        self.registration.info.deterministic = result.holds
 
     def _compile_decode(self, loaded: LoadedModel, engine: LLMEngine) -> None:
         """Start building (or loading) the compiled one-row step (engine thread: its thread count)."""

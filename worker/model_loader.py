@@ -13,7 +13,6 @@ import fcntl
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -25,10 +24,12 @@ import torch
 
 from worker.engine.model_config import text_config
 from worker.named_models import NAMED_MODELS, NamedModelError, assemble_gguf
+from worker.native import exact
 from worker.native.decoder import NativeCausalLM
+from worker.native.deterministic import make_exact
 from worker.native.gguf_groups import GROUPS_FILE, extract_int4_groups, load_groups, save_groups
 from worker.native.loader import load_native
-from worker.native.quantize import PACKED_MAX_ROWS, Quantization, every_row_variant_shapes, quantize
+from worker.native.quantize import PACKED_MAX_ROWS, Quantization, quantize
 from worker.native.spec import UnsupportedCheckpoint, read_decoder_spec, read_eos_token_ids
 from worker.settings import DEFAULT_MODEL
 
@@ -276,16 +277,24 @@ def _load_forward(
             logger.info("native forward: %s, %d layers", spec.model_type, spec.num_hidden_layers)
             # Only the int4 modes read them (a file of ~40 % of the weights' own size).
             groups = load_groups(Path(source)) if quantization in ("auto", "int4") else {}
+            if deterministic and _deterministic_holds(forward, quantization):
+                try:
+                    summary = make_exact(forward, groups, quantization)
+                except ValueError as exc:
+                    raise ModelLoadError(str(exc)) from exc
+                kernels = "AVX512-VNNI" if exact.has_vector_path() else "portable code"
+                logger.info("deterministic numerics (--deterministic on): exact kernels (%s; %s); a request's "
+                            "text does not depend on the batch, the prefix cache, prefill chunking or the "
+                            "thread count", summary, kernels)  # fmt: skip
+                return forward, read_eos_token_ids(Path(source))
             try:
-                applied = quantize(forward, quantization, groups, every_row=deterministic)
+                applied = quantize(forward, quantization, groups)
             except ValueError as exc:
                 raise ModelLoadError(str(exc)) from exc
             if applied != "none":
-                exact = f", {len(groups)} weights as the GGUF's 4-bit groups" if groups and applied == "int4" else ""
-                rows = "every matmul" if deterministic else f"matmuls of up to {PACKED_MAX_ROWS} rows"
-                logger.info("weights quantized: %s copies for %s, int8 head%s (--quantization %s)",
-                            applied, rows, exact, quantization)  # fmt: skip
-            _set_deterministic(forward, deterministic)
+                own = f", {len(groups)} weights as the GGUF's 4-bit groups" if groups and applied == "int4" else ""
+                logger.info("weights quantized: %s copies for matmuls of up to %d rows, int8 head%s "
+                            "(--quantization %s)", applied, PACKED_MAX_ROWS, own, quantization)  # fmt: skip
             return forward, read_eos_token_ids(Path(source))
     elif quantization not in ("none", "auto"):
         raise ModelLoadError(f"--quantization {quantization} needs the native forward, not --model-impl transformers")
@@ -295,26 +304,22 @@ def _load_forward(
     return _load_transformers_model(source, dtype, device)
 
 
-def _set_deterministic(model: NativeCausalLM, deterministic: bool) -> None:
-    """Batch-invariant numerics (``worker/native/batch_invariant.py``) where they hold: bf16 on the
-    CPU, checked at load on this CPU's kernels at the thread counts a worker may run with (its
-    host pool gives it 1 up to all of its cores)."""
-    if not deterministic:
-        return
-    if model.dtype != torch.bfloat16 or model.device.type != "cpu":
-        logger.warning("--deterministic on holds for bfloat16 on the CPU only; this model runs %s on %s, "
-                       "so a request's text may depend on the batch it shares", model.dtype, model.device)  # fmt: skip
-        return
-    cores = len(os.sched_getaffinity(0))
-    thread_counts = tuple(sorted({1, min(2, cores), cores}))
-    variant = every_row_variant_shapes(model, thread_counts)
-    if variant or not model.set_batch_invariant(True, thread_counts=thread_counts):
-        logger.warning("--deterministic on: this CPU's matmul kernels give a row other bits in other batches "
-                       "(shapes %s, or see the warning above), so a request's text may depend on the batch it "
-                       "shares", variant)  # fmt: skip
-        return
-    logger.info("deterministic numerics: a request's text does not depend on the batch, the prefix cache "
-                "or prefill chunking (--deterministic on)")  # fmt: skip
+def _deterministic_holds(model: NativeCausalLM, quantization: Quantization) -> bool:
+    """Whether the exact kernels can serve ``model`` (``worker/native/deterministic.py``); where they
+    cannot, says why and the model keeps the library kernels, without the promise."""
+    reason = None
+    if model.device.type != "cpu":
+        reason = f"the exact kernels run on the CPU, and this model is on {model.device}"
+    elif model.dtype not in (torch.bfloat16, torch.float32):
+        reason = f"the exact kernels take bfloat16 or float32 activations, not {model.dtype}"
+    elif quantization == "none":
+        reason = "the exact kernels multiply quantized weights, and --quantization none keeps them in the serving dtype"
+    elif not exact.available():
+        reason = "the exact kernels could not be built here (a C++ compiler is needed; see the warning above)"
+    if reason is not None:
+        logger.warning("--deterministic on cannot hold: %s; a request's text may depend on the batch it shares",
+                       reason)  # fmt: skip
+    return reason is None
 
 
 def load_model(

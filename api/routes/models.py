@@ -24,6 +24,7 @@ async def list_models(request: Request) -> ModelList:
                     max_model_len=record.max_model_len or None,
                     num_live_workers=len(workers),
                     task=record.task,
+                    deterministic=all(worker.deterministic for worker in workers),
                 )
             )
     return ModelList(data=cards)

@@ -15,6 +15,11 @@ class ModelCard(BaseModel):
     max_model_len: int | None = Field(default=None, description="Extension: the context length served.")
     num_live_workers: int = Field(default=0, description="Extension: workers serving this model now.")
     task: str = Field(default="generate", description="Extension: generate (chat, completions) or embed.")
+    deterministic: bool = Field(
+        default=False,
+        description="Extension: every live worker of the model promises that a greedy or seeded request's "
+        "text depends on the request alone (not on the batch, the cache, the thread count or a failover).",
+    )
 
 
 class ModelList(BaseModel):

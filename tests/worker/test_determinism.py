@@ -55,8 +55,8 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     # 128 wide, 4 heads over 2 kv heads (grouped-query attention), 3 layers, SmolLM2's vocabulary.
     folder = tiny_random_llama_dir(seed=3, hidden_size=128, num_layers=3)
     cache = tmp_path_factory.mktemp("cache")
-    model = load_model(str(folder), cache, "cpu", "bfloat16", MAX_LEN, "native", "none", deterministic=True)
-    assert model.model.dtype == torch.bfloat16 and model.model.batch_invariant
+    model = load_model(str(folder), cache, "cpu", "bfloat16", MAX_LEN, "native", "auto", deterministic=True)
+    assert model.model.dtype == torch.bfloat16 and model.model.deterministic
     return model
 
 

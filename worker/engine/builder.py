@@ -106,11 +106,11 @@ def build_engine(
 def _shares_prefixes(model: torch.nn.Module, layout: KVCacheLayout, config: EngineConfig) -> bool:
     """Prefixes are held once (``shared_prefix.py``) where the slots are held by tokens and the
     native decoder attends to them; elsewhere the prefix cache copies blocks into each slot.
-    Batch-invariant numerics copy too: attention over a prefix held apart is two softmaxes joined,
-    which gives other bits than one softmax over the keys of a cold prefill."""
+    The deterministic forward copies too: attention over a prefix held apart is two softmaxes
+    joined, which gives other bits than one softmax over the keys of a cold prefill."""
     return (
         config.share_prefixes
-        and not getattr(model, "batch_invariant", False)
+        and not getattr(model, "deterministic", False)
         and config.prefix_cache_bytes > 0
         and config.kv_held_by_tokens
         and is_lazily_backed(layout.device)

@@ -75,7 +75,8 @@ class LLMEngine:
         self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer
         self.sampling_state = sampling_state
-        self.sampler = Sampler(sampling_state, eos_token_ids)
+        # The deterministic forward's sampler sums in the exact kernels' fixed order too.
+        self.sampler = Sampler(sampling_state, eos_token_ids, exact_sums=getattr(runner.model, "deterministic", False))
         self.scheduler = scheduler
         self.output_processor = OutputProcessor(eos_token_ids, max_model_len)
         self.max_model_len = max_model_len

@@ -37,7 +37,9 @@ from typing import NamedTuple
 import torch
 
 from worker.engine.model_config import text_config
-from worker.native.batch_invariant import KEY_BLOCK
+
+# A slot's positions, rounded up to a multiple of this (whole pages of every head).
+SLOT_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ class SlotKVCache:
         self.max_model_len = max_model_len
         # Positions per slot: whole blocks of batch-invariant attention's key reads (lazily backed
         # memory on the CPU: the few positions past max_model_len are never written).
-        self.positions = -(-max_model_len // KEY_BLOCK) * KEY_BLOCK
+        self.positions = -(-max_model_len // SLOT_ALIGN) * SLOT_ALIGN
         self.scratch_slot = num_slots
         self.first_prefix_slot = num_slots + 1
         self.num_prefix_slots = num_prefix_slots

@@ -15,7 +15,6 @@ from worker.engine.kv_cache import SharedGroup, SlotKVCache
 from worker.engine.model_config import text_config
 from worker.engine.scheduler import PrefillChunk
 from worker.engine.sequence import Sequence
-from worker.native.batch_invariant import KEY_BLOCK
 from worker.native.decoder import NativeCausalLM
 
 if TYPE_CHECKING:
@@ -67,8 +66,6 @@ class ModelRunner:
         self.vocab_size: int = config.vocab_size
         self._logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self.compiled: CompiledDecode | None = None  # one stream's step, compiled (set by the worker)
-        # Batch-invariant attention reads keys in whole blocks (past a row's length, masked).
-        self._key_block = KEY_BLOCK if getattr(model, "batch_invariant", False) else 1
 
     @torch.inference_mode()
     def decode(
@@ -77,7 +74,7 @@ class ModelRunner:
         """Rows ``0..len(token_ids)-1``: one token each at ``positions``; returns [rows, vocab] fp32.
         ``prefixes``: each row's shared prefix (``(prefix slot, length)``; length 0: none)."""
         device = self.device
-        kv_len = self._keys_read(max(positions) + 1)
+        kv_len = max(positions) + 1
         compiled = self.compiled
         if compiled is not None and compiled.runs(len(token_ids), kv_len) and not any(n for _, n in prefixes or ()):
             return self._softcapped(compiled(token_ids[0], positions[0]))
@@ -112,7 +109,7 @@ class ModelRunner:
         is_padding = offsets >= length_t[:, None]
         write_slots = torch.where(is_padding, self.cache.scratch_slot, slots[:, None])
         write_positions = torch.where(is_padding, offsets, positions)
-        kv_len = self._keys_read(int((starts + length_t).max()))
+        kv_len = int((starts + length_t).max())
         prefixes = [prefix_of(chunk.seq) for chunk in chunks]
         read_start, groups, own_start = self._shared_groups(prefixes)
         self.cache.begin_prefill(slots, write_slots, write_positions, kv_len, read_start, groups)
@@ -124,9 +121,6 @@ class ModelRunner:
         hidden = self._forward(torch.tensor(token_rows, dtype=torch.long, device=device), positions, mask)
         last = hidden[torch.arange(len(chunks), device=device), length_t - 1]
         return self._logits(last)
-
-    def _keys_read(self, kv_len: int) -> int:
-        return -(-kv_len // self._key_block) * self._key_block
 
     def _shared_groups(
         self, prefixes: Seq[SharedPrefix] | None

@@ -10,14 +10,14 @@ through the engine's slot cache.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.kv_cache import SharedGroup
-from worker.native import batch_invariant
+from worker.native import exact
 from worker.native.shared_attention import attend_with_prefixes
 from worker.native.spec import DecoderSpec
 
@@ -39,27 +39,13 @@ class Linear(nn.Module):
     checkpoint, and initialising on the meta device pulls in torch's decomposition machinery
     (~2 s of imports)."""
 
-    # Set by NativeCausalLM.set_batch_invariant: the matmul then runs there, on its own (packed)
-    # copy of the weight, and ``weight`` is left empty.
-    invariant: batch_invariant.InvariantMatmul | None = None
-
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.invariant is not None:
-            return self.invariant(x)
         return F.linear(x, self.weight, self.bias)
-
-    def set_invariant(self, matmul: batch_invariant.InvariantMatmul | None) -> None:
-        """Hand the weight to ``matmul`` (None: take it back)."""
-        if matmul is None and self.invariant is not None:
-            self.weight = nn.Parameter(self.invariant.dense_weight(), requires_grad=False)
-        elif matmul is not None:
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
-        self.invariant = matmul
 
 
 class JoinedLinear(Linear):
@@ -104,9 +90,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-class Attention(nn.Module):
-    batch_invariant = False  # set per instance by NativeCausalLM.set_batch_invariant
+class ExactParts(NamedTuple):
+    """A layer's matmuls on the exact kernels (``exact.py``, ``--deterministic on``), with the
+    operations around them fused into their activations' quantization."""
 
+    qkv: exact.ExactLinear  # input_layernorm fused
+    o: exact.ExactLinear
+    gate_up: exact.ExactLinear  # post_attention_layernorm fused
+    down: exact.ExactLinear  # silu(gate) * up fused
+
+
+class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -147,9 +141,6 @@ class Attention(nn.Module):
         query, key = query_and_key[:, : self.num_heads], query_and_key[:, self.num_heads :]
         value = qkv[:, :, self.num_heads + self.num_kv_heads :].transpose(1, 2)
         key, value = cache.update(key, value, self.layer_idx)
-        if self.batch_invariant:
-            out = self._attend_invariant(query, key, value, mask)
-            return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
         if cache.shared_groups:
             out = self._attend_with_prefixes(query, key, value, mask, cache)
             return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
@@ -168,16 +159,31 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
 
-    def _attend_invariant(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+    def forward_exact(
+        self,
+        parts: ExactParts,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        cache: StepCache,
     ) -> torch.Tensor:
-        """Every step's attention, decode or prefill, computed one way (``batch_invariant.py``;
-        ``mask`` from ``batch_invariant.additive_mask``); ``[rows, heads, q, dim]``."""
-        assert mask is not None, "batch-invariant attention always reads a mask"
-        rows, _, query_len, _ = query.shape
-        grouped = query.reshape(rows, self.num_kv_heads, self.group_size * query_len, self.head_dim)
-        out = batch_invariant.attention(grouped, key, value, mask, self.scale)
-        return out.reshape(rows, self.num_heads, query_len, self.head_dim)
+        """``forward`` on the exact kernels, ``hidden`` not yet normalised (``parts.qkv`` does it):
+        every query sees the keys of positions ``0..positions[row, t]`` of its row's slot."""
+        assert not cache.shared_groups, "the deterministic forward reads prefixes copied into each slot"
+        rows, query_len, _ = hidden.shape
+        qkv = parts.qkv(hidden).view(rows, query_len, -1, self.head_dim)
+        query_and_key = qkv[:, :, : self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None and self.k_norm is not None:
+            query = exact.rms_norm(query_and_key[:, :, : self.num_heads], self.q_norm.weight, self.q_norm.eps)
+            key = exact.rms_norm(query_and_key[:, :, self.num_heads :], self.k_norm.weight, self.k_norm.eps)
+            query_and_key = torch.cat((query, key), dim=2)
+        cos, signed_sin = rope
+        query_and_key = _rotate(query_and_key, cos, signed_sin).transpose(1, 2)
+        query, key = query_and_key[:, : self.num_heads], query_and_key[:, self.num_heads :]
+        value = qkv[:, :, self.num_heads + self.num_kv_heads :].transpose(1, 2)
+        key, value = cache.update(key, value, self.layer_idx)
+        out = exact.attention(query, key, value, positions, self.scale)
+        return parts.o(out.view(rows, query_len, -1))
 
     def _attend_with_prefixes(
         self,
@@ -223,10 +229,19 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, layer_idx)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
+        self.exact: ExactParts | None = None  # set by worker/native/deterministic.py
 
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, cache: StepCache
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: StepCache,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
+        if self.exact is not None:
+            hidden = hidden + self.self_attn.forward_exact(self.exact, hidden, rope, positions, cache)
+            return hidden + self.exact.down(self.exact.gate_up(hidden))
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -249,8 +264,9 @@ class NativeCausalLM(nn.Module):
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
         # A module that computes the logits in place of the (tied) head weight: the quantized head.
         self.head: nn.Module | None = None
-        self.batch_invariant = False
-        self.invariant_head: batch_invariant.InvariantMatmul | None = None  # a tied head's, when invariant
+        # The final norm and head on the exact kernels (``--deterministic on``, set with the layers'
+        # ``exact`` by worker/native/deterministic.py): hidden states then leave the body unnormalised.
+        self.exact_head: exact.ExactLinear | None = None
         self.inv_freq: torch.Tensor = torch.empty(0)
         # cos and [-sin, sin] of every position, [positions, head_dim] (see ``set_rope``).
         self.rope_cos: torch.Tensor = torch.empty(0)
@@ -278,38 +294,10 @@ class NativeCausalLM(nn.Module):
         self.rope_cos = torch.cat((freqs, freqs), dim=-1).cos().to(self.dtype)
         self.rope_signed_sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
 
-    def set_batch_invariant(self, on: bool, thread_counts: tuple[int, ...] = (1,)) -> bool:
-        """Every matmul and attention computed so that a row's bits do not depend on the step
-        it shares (``batch_invariant.py``); the quantized matmuls decide for themselves. The
-        matmuls are checked at ``thread_counts`` (and the one in use); returns False, leaving the
-        model as it was, where a matmul could not be made invariant on this CPU."""
-        linears = [module for module in self.modules() if isinstance(module, Linear)]
-        if not on:
-            for linear in linears:
-                linear.set_invariant(None)
-            self.invariant_head = None
-        else:
-            counts = tuple(sorted({*thread_counts, torch.get_num_threads()}))
-            verified: dict[tuple[int, ...], batch_invariant.MatmulForm | None] = {}
-            matmuls = [batch_invariant.invariant_matmul(m.weight, m.bias, counts, verified) for m in linears]
-            tied_head = self.head is None and self.lm_head is None  # the embedding keeps its own rows
-            head = None
-            if tied_head:
-                head = batch_invariant.invariant_matmul(self.model.embed_tokens.weight, None, counts, verified)
-            if any(matmul is None for matmul in matmuls) or (tied_head and head is None):
-                logger.warning("no invariant matmul found on this CPU for shapes %s",
-                               sorted(shape[:2] for shape, form in verified.items() if form is None))  # fmt: skip
-                return False
-            for linear, matmul in zip(linears, matmuls, strict=True):
-                linear.set_invariant(matmul)
-            self.invariant_head = head
-            logger.info("batch-invariant matmuls (checked on this CPU): %s",
-                        ", ".join(f"{shape[0]}x{shape[1]} {form}" for shape, form in verified.items()))  # fmt: skip
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.batch_invariant = on
-        self.batch_invariant = on
-        return True
+    @property
+    def deterministic(self) -> bool:
+        """Whether every step runs on the exact kernels: a row's bits depend on that row alone."""
+        return self.exact_head is not None
 
     def join_projections(self) -> None:
         """After the checkpoint is loaded (its names are the separate projections'): q/k/v and
@@ -331,18 +319,16 @@ class NativeCausalLM(nn.Module):
         broadcastable to ``[rows, heads, query_len, kv_len]``, True where a query may attend."""
         hidden = self.model.embed_tokens(input_ids)
         rope = self._rope(position_ids)
-        if self.batch_invariant:
-            group_size = self.config.num_attention_heads // self.config.num_key_value_heads
-            mask = batch_invariant.additive_mask(mask, group_size, hidden.dtype)
         for layer in self.model.layers:
-            hidden = layer(hidden, rope, mask, cache)
-        return self.model.norm(hidden)
+            hidden = layer(hidden, rope, mask, cache, position_ids)
+        return hidden if self.exact_head is not None else self.model.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Of ``hidden_states``' output (fp32 with the exact head, else the model's dtype)."""
+        if self.exact_head is not None:
+            return self.exact_head(hidden)
         if self.head is not None:
             return self.head(hidden)
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        if self.invariant_head is not None:
-            return self.invariant_head(hidden)
         return F.linear(hidden, self.model.embed_tokens.weight)

@@ -9,11 +9,9 @@ rows, though: from ~5 rows on oneDNN's bf16 GEMM is faster, so matmuls of more t
 ``PACKED_MAX_ROWS`` rows (prefill chunks, busy batches) keep using the serving-dtype weights
 (``bench/packed_matmul_bench.py`` times both). The cost is memory: the packed copy comes on top.
 
-That switch makes a row's bits depend on how many rows share its step: the packed kernels and
-the bf16 GEMM each give a row the same bits at any row count, but not the same as each other.
-With ``--deterministic on`` (the default) a model therefore uses one of them for every row count:
-``auto`` resolves to ``none`` (the bf16 GEMM), and an explicit ``int8``/``int4`` reads the packed
-weights for every matmul, prefill chunks included (slower batches, the same text alone or not).
+That switch makes a row's bits depend on how many rows share its step, so these copies serve
+``--deterministic off`` only; ``--deterministic on`` multiplies on the exact kernels
+(``deterministic.py``), whose quantized weights serve every row count.
 
 FBGEMM's dynamic int8 (inputs quantized per tensor) is not offered: slower than int4 for one
 stream, and its greedy text departs soonest (``bench/quantization_bench.py`` measures it). The token embedding
@@ -28,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.native.batch_invariant import ROW_TILES, is_row_invariant
 from worker.native.decoder import JoinedLinear, Linear, NativeCausalLM
 from worker.native.gguf_groups import GROUP_SIZE, Int4Groups
 
@@ -115,29 +112,23 @@ def _checkpoint_groups(groups: dict[str, Int4Groups], parent: str, name: str, li
     return Int4Groups.joined(found) if len(found) == len(names) else None
 
 
-def resolve_mode(
-    mode: Quantization, model: NativeCausalLM, groups: dict[str, Int4Groups], every_row: bool = False
-) -> Quantization:
-    """``auto``: ``int4`` on the CPU when the checkpoint carries a 4-bit GGUF's own groups, else
-    ``none``; ``none`` too when the packed weights would have to serve every row (``every_row``)."""
+def resolve_mode(mode: Quantization, model: NativeCausalLM, groups: dict[str, Int4Groups]) -> Quantization:
+    """``auto``: ``int4`` on the CPU when the checkpoint carries a 4-bit GGUF's own groups, else ``none``."""
     if mode != "auto":
         return mode
-    return "int4" if model.device.type == "cpu" and groups and not every_row else "none"
+    return "int4" if model.device.type == "cpu" and groups else "none"
 
 
-def quantize(
-    model: NativeCausalLM, mode: Quantization, groups: dict[str, Int4Groups] | None = None, every_row: bool = False
-) -> Quantization:
+def quantize(model: NativeCausalLM, mode: Quantization, groups: dict[str, Int4Groups] | None = None) -> Quantization:
     """Replace the decoder's matmuls in place; returns the mode applied (``auto`` resolved).
 
     ``groups`` are the checkpoint's own 4-bit groups by weight name (``worker/native/gguf_groups.py``):
     ``int4`` packs those exactly and quantizes the rest, ``auto`` packs those and leaves the rest in
     the serving dtype. The head (tied embedding or ``lm_head``) is int8 under both int4 modes: at
     int4 it cost most of the quality (``bench/quantization_bench.py`` measures it), at int8 about
-    the speed of int4 with two threads. ``every_row``: the packed weights serve matmuls of any
-    row count (``--deterministic on``; see the module docstring)."""
+    the speed of int4 with two threads."""
     groups = groups or {}
-    applied = resolve_mode(mode, model, groups, every_row)
+    applied = resolve_mode(mode, model, groups)
     if applied == "none":
         return applied
     if model.device.type != "cpu":
@@ -156,21 +147,4 @@ def quantize(
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.head = Int8Linear(head, None, dtype)
     model.lm_head = None  # the head module replaces it; a tied embedding keeps its own rows for lookups
-    if every_row:
-        for module in model.modules():
-            if isinstance(module, _SmallBatchLinear):
-                module.max_rows = None
     return applied
-
-
-def every_row_variant_shapes(model: NativeCausalLM, thread_counts: tuple[int, ...]) -> list[tuple[int, int]]:
-    """The ``[out, in]`` shapes of the packed matmuls serving every row (``every_row``) whose bits
-    for a row depend on the rows beside it on this CPU (``batch_invariant.is_row_invariant``, in
-    calls of up to ``2 * ROW_TILES[0] + 5`` rows); checked once per shape."""
-    checked: dict[tuple[int, int], bool] = {}
-    for module in model.modules():
-        if isinstance(module, _SmallBatchLinear) and module.max_rows is None:
-            shape = (module.weight.shape[0], module.weight.shape[1])
-            if shape not in checked:
-                checked[shape] = is_row_invariant(module, shape[1], module.weight.dtype, ROW_TILES[0], thread_counts)
-    return [shape for shape, holds in checked.items() if not holds]

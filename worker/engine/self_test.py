@@ -1,0 +1,135 @@
+"""The deterministic promise, tested on the loaded model before a worker claims it: the whole
+step (forward, sampler, scheduler, prefix cache), not one kernel.
+
+A few greedy and seeded continuations run alone; then the same requests eight at a time with
+prefill chunked, half their prompts already in the prefix cache and half new; then alone again
+at one thread and at every core the worker may use (its host pool changes its thread count while
+it serves). Every run must give every request the same tokens. The prompts are fixed token ids,
+not text: the numerics are what is tested, and any ids are valid input.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.builder import EngineConfig, build_engine
+from worker.engine.detokenizer import Decoder
+from worker.engine.engine import LLMEngine, RequestOutput
+from worker.engine.kv_cache import KVCacheLayout
+from worker.engine.prefix_cache import BLOCK_SIZE
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import EngineRequest
+
+logger = logging.getLogger(__name__)
+
+NEW_TOKENS = 8
+MAX_LEN = 256
+PROMPT_LENGTHS = (5, 40, 71, 130)  # under, at and past a prefix-cache block, and several chunks
+
+
+@dataclass(frozen=True)
+class SelfTestResult:
+    holds: bool
+    seconds: float
+    detail: str  # what differed, or what was run
+
+
+class _Done:
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    def __call__(self, outputs: list[RequestOutput]) -> None:
+        self.ids.update(output.request_id for output in outputs if output.is_done)
+
+
+def _requests(prompts: list[list[int]], tag: str) -> list[EngineRequest]:
+    """Each prompt greedy and seeded (top-p and top-k truncation on the seeded ones)."""
+    requests = []
+    for i, prompt in enumerate(prompts):
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        seeded = SamplingParams(
+            temperature=1.0, top_p=0.9, top_k=50, seed=1000 + i, max_new_tokens=NEW_TOKENS, ignore_eos=True
+        )
+        requests.append(EngineRequest(f"{tag}-g{i}", [prompt], greedy))
+        requests.append(EngineRequest(f"{tag}-s{i}", [prompt], seeded))
+    return requests
+
+
+def _run(engine: LLMEngine, done: _Done, batches: Iterable[list[EngineRequest]]) -> list[list[int]]:
+    tokens = []
+    for batch in batches:
+        for request in batch:
+            engine.submit(request)
+        steps = 0
+        while not {request.request_id for request in batch} <= done.ids:
+            engine.run_step()
+            steps += 1
+            if steps > 10_000:
+                raise RuntimeError("self-test requests did not finish")
+        tokens += [request.sequences[0].output_token_ids for request in batch]
+    return tokens
+
+
+def check_determinism(
+    model: torch.nn.Module, tokenizer: Decoder, eos_token_ids: frozenset[int], thread_counts: Iterable[int]
+) -> SelfTestResult:
+    """Run the scenarios above on ``model``; ``thread_counts``: the counts to check besides the
+    current one."""
+    started = time.monotonic()
+    param = next(model.parameters())
+    layout = KVCacheLayout.from_config(model.config, param.dtype, param.device)
+    vocab = int(getattr(model.config, "vocab_size", 1000))
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(min(100, vocab - 1), vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    cached = [prompt + torch.randint(0, vocab, (BLOCK_SIZE,), generator=generator).tolist() for prompt in prompts]
+
+    def engine(step_tokens: int, prefix_cache: bool) -> tuple[LLMEngine, _Done]:
+        config = EngineConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=step_tokens,
+            max_model_len=MAX_LEN,
+            kv_cache_bytes=18 * layout.bytes_per_token * MAX_LEN,
+            prefix_cache_bytes=(64 * BLOCK_SIZE * layout.bytes_per_token) if prefix_cache else 0,
+        )
+        done = _Done()
+        return build_engine(model, tokenizer, config, eos_token_ids, done), done
+
+    threads = torch.get_num_threads()
+    try:
+        alone_engine, alone_done = engine(MAX_LEN, prefix_cache=False)
+        alone = _run(alone_engine, alone_done, ([r] for r in _requests(prompts + cached, "alone")))
+        # Eight at a time, chunked at 48 tokens: the `cached` prompts extend prompts the cache holds.
+        batch_engine, batch_done = engine(48, prefix_cache=True)
+        _run(batch_engine, batch_done, [_requests(prompts, "warm")])
+        together = _run(batch_engine, batch_done, [_requests(prompts + cached, "together")])
+        if together != alone:
+            return _result(False, started, "eight at a time, chunked, from the prefix cache", together, alone)
+        for count in sorted(set(thread_counts) - {threads}):
+            torch.set_num_threads(count)
+            again = _run(alone_engine, alone_done, ([r] for r in _requests(prompts + cached, f"t{count}")))
+            if again != alone:
+                return _result(False, started, f"alone at {count} threads (against {threads})", again, alone)
+    finally:
+        torch.set_num_threads(threads)
+    return _result(
+        True, started, f"{len(alone)} requests alone, together and at threads {sorted(set(thread_counts) | {threads})}"
+    )
+
+
+def _result(
+    holds: bool,
+    started: float,
+    what: str,
+    tokens: list[list[int]] | None = None,
+    expected: list[list[int]] | None = None,
+) -> SelfTestResult:
+    detail = what
+    if tokens is not None and expected is not None:
+        differing = [i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b]
+        detail = f"{what}: requests {differing} of {len(expected)} differ from their run alone"
+    return SelfTestResult(holds, time.monotonic() - started, detail)

@@ -1,0 +1,253 @@
+"""relaylm's exact kernels (``kernels/exact.cpp``): the numerics of ``--deterministic on``.
+
+A row's result must be a function of that row alone: not of the rows beside it, the thread count,
+the CPU's instruction set or the library's choice of kernel. Library kernels choose their
+blocking, and with it the order of a row's floating-point sums, from all of those. These kernels
+fix the order in our own code:
+
+- **Matmuls are integer-exact.** Activations are quantized per block of 32 inputs to int8 (as
+  llama.cpp's q8 activations); weights are 4-bit (a GGUF's own groups of 32) or 8-bit groups;
+  a group's products are summed in int32, exact in any order; the float epilogue (group scales,
+  the sum over groups) runs in one fixed sequence per output element.
+- **Norms, attention and the sampler's sums** reduce in an order written in the kernel (16
+  lanes and a halving tree, or key order), each row or query by one thread.
+- Vector (AVX512-VNNI) and portable code compute the same operations, so they give the same bits;
+  ``scalar=True`` forces the portable code (the tests compare both).
+
+The extension is compiled at first use with the C++ compiler torch's ``cpp_extension`` finds
+(~30 s, once: cached by torch under ``TORCH_EXTENSIONS_DIR``, keyed by the source). Without a
+compiler ``available()`` is False and the worker serves without the promise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "kernels" / "exact.cpp"
+GROUP = 32  # inputs per quantization group, for weights and activations alike
+LANES = 16  # outputs per packed weight block
+
+PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def load() -> bool:
+    """Build (once per source and torch version) and load the extension; False, logged once,
+    where it cannot be built."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        try:
+            from torch.utils import cpp_extension
+
+            digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+            cpp_extension.load(
+                name=f"relaylm_exact_{digest}",
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17"],
+                is_python_module=False,
+                verbose=False,
+            )
+            _state["ok"] = True
+        except Exception as exc:  # a missing compiler or headers: serve without the promise
+            logger.warning("exact kernels unavailable (%s): --deterministic on cannot hold", exc)
+            _state["ok"] = False
+        return bool(_state["ok"])
+
+
+def available() -> bool:
+    return load()
+
+
+def _ops() -> torch._ops._OpNamespace:
+    if not load():
+        raise RuntimeError("relaylm's exact kernels could not be built (see the log)")
+    return torch.ops.relaylm_exact
+
+
+def has_vector_path() -> bool:
+    """Whether this CPU runs the AVX512-VNNI code (else the portable code: same bits, slower)."""
+    return bool(_ops().has_avx512())
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight ``[out, in]`` as unsigned values ``u`` per group of 32 inputs, ``w = scale * (u -
+    zero) + min`` (``mins`` None: no minimum), laid out for the kernel (see ``exact.cpp``)."""
+
+    data: torch.Tensor  # uint8
+    scales: torch.Tensor  # float32 or float16 [blocks, groups, 16]
+    mins: torch.Tensor | None
+    zero: int
+    bits: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.mins is None else self.mins.numel() * self.mins.element_size()
+        return self.data.numel() + self.scales.numel() * self.scales.element_size() + extra
+
+
+def _blocked(values: torch.Tensor, fill: float) -> torch.Tensor:
+    """``[out, groups, ...]`` padded to whole 16-output blocks: ``[blocks, 16, groups, ...]``."""
+    out = values.shape[0]
+    padded = -(-out // LANES) * LANES
+    if padded > out:
+        pad = torch.full((padded - out, *values.shape[1:]), fill, dtype=values.dtype)
+        values = torch.cat([values, pad])
+    return values.view(padded // LANES, LANES, *values.shape[1:])
+
+
+def pack(values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, zero: int, bits: int) -> PackedWeight:
+    """``values`` uint8 ``[out, in]`` (0..15 for 4 bits, 0..255 for 8), ``scales``/``mins`` float32
+    ``[out, ceil(in / 32)]``."""
+    out_features, in_features = values.shape
+    groups = -(-in_features // GROUP)
+    if groups * GROUP > in_features:  # inputs past the width hold the zero point: weight 0
+        pad = torch.full((out_features, groups * GROUP - in_features), zero, dtype=torch.uint8)
+        values = torch.cat([values, pad], dim=1)
+    quads = _blocked(values.view(out_features, groups, 8, 4), zero)  # [blocks, 16, groups, 8, 4]
+    quads = quads.permute(0, 2, 3, 1, 4)  # [blocks, groups, 8 quads, 16 outputs, 4 inputs]
+    if bits == 4:
+        quads = quads[:, :, :4] | (quads[:, :, 4:] << 4)
+    data = quads.contiguous().view(-1)
+    scales, mins = _narrowest(scales.float(), None if mins is None else mins.float())
+    blocked_scales = _blocked(scales, 0.0).permute(0, 2, 1).contiguous()
+    blocked_mins = None if mins is None else _blocked(mins, 0.0).permute(0, 2, 1).contiguous()
+    return PackedWeight(data, blocked_scales, blocked_mins, zero, bits, out_features, in_features)
+
+
+def _narrowest(scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float16 where every value is exactly one (a GGUF's Q4_0/Q4_1/Q8_0 scales are): the same
+    numbers, fewer bytes for a decode step to read. Else float32."""
+    parts = [scales] if mins is None else [scales, mins]
+    if all(torch.equal(part.half().float(), part) for part in parts):
+        return scales.half(), None if mins is None else mins.half()
+    return scales, mins
+
+
+def pack_int8(weight: torch.Tensor) -> PackedWeight:
+    """Symmetric 8-bit groups of 32 (llama.cpp's Q8_0): ``scale = max|w| / 127``."""
+    out_features, in_features = weight.shape
+    groups = -(-in_features // GROUP)
+    full = weight.detach().float()
+    if groups * GROUP > in_features:
+        full = torch.cat([full, full.new_zeros(out_features, groups * GROUP - in_features)], dim=1)
+    grouped = full.view(out_features, groups, GROUP)
+    scales = grouped.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(grouped / safe[..., None]).clamp(-127, 127)
+    values = (q + 128).to(torch.uint8).view(out_features, groups * GROUP)[:, :in_features]
+    return pack(values.contiguous(), scales, None, 128, 8)
+
+
+def pack_int4(values: torch.Tensor, group_scale: torch.Tensor, group_min: torch.Tensor) -> PackedWeight:
+    """4-bit groups ``scale * q + min`` (a GGUF's Q4_0 / Q4_1 / Q4_K groups, as ``Int4Groups``)."""
+    return pack(values.to(torch.uint8), group_scale, group_min, 0, 4)
+
+
+def matmul(
+    x: torch.Tensor,
+    weight: PackedWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    prologue: int = PROLOGUE_NONE,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    out_float32: bool = False,
+    scalar: bool = False,
+) -> torch.Tensor:
+    """``prologue(x) @ W^T (+ bias)``: ``x`` ``[..., in]`` (``[..., 2 * in]`` for ``silu_mul``:
+    gate then up), bf16 or fp32; the result in ``x``'s dtype (or fp32)."""
+    return _ops().qlinear(
+        x, prologue, norm_weight, eps, weight.data, weight.scales, weight.mins, weight.zero, weight.bits,
+        weight.out_features, weight.in_features, bias, out_float32, scalar,
+    )  # fmt: skip
+
+
+def attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, scale: float,
+    scalar: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """``query`` ``[rows, heads, queries, dim]`` against ``key``/``value`` ``[rows, kv_heads, keys,
+    dim]``, query ``(r, t)`` seeing keys ``0..positions[r, t]``; ``[rows, queries, heads, dim]``."""
+    return _ops().attention(query, key, value, positions, scale, scalar)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scalar: bool = False) -> torch.Tensor:
+    return _ops().rms_norm(x, weight, eps, scalar)
+
+
+def exp_shifted(x: torch.Tensor, scalar: bool = False) -> torch.Tensor:
+    """``exp(x - max(x))`` per row of fp32 ``[rows, width]``: unnormalised probabilities."""
+    return _ops().exp_shifted(x, scalar)
+
+
+def block_sums(x: torch.Tensor, block: int, scalar: bool = False) -> torch.Tensor:
+    """Sums of each ``block``-wide run of each row of fp32 ``[rows, width]`` (the last may be shorter)."""
+    return _ops().block_sums(x, block, scalar)
+
+
+class ExactLinear(nn.Module):
+    """A ``Linear`` served by ``matmul`` on a packed weight; ``prologue`` fuses the RMSNorm before
+    it (``norm``) or the SwiGLU product (``silu_mul``) into the activations' quantization."""
+
+    def __init__(
+        self,
+        weight: PackedWeight,
+        bias: torch.Tensor | None,
+        prologue: int = PROLOGUE_NONE,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+        out_float32: bool = False,
+    ) -> None:
+        super().__init__()
+        self.packed = weight
+        self.bias = None if bias is None else nn.Buffer(bias.detach().float().contiguous())
+        self.prologue = prologue
+        self.norm_weight = None if norm_weight is None else nn.Buffer(norm_weight.detach().contiguous())
+        self.eps = eps
+        self.out_float32 = out_float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul(
+            x, self.packed, self.bias, prologue=self.prologue, norm_weight=self.norm_weight, eps=self.eps,
+            out_float32=self.out_float32,
+        )  # fmt: skip
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight ``[out, in]`` the packed values stand for (tests and diagnostics)."""
+        return unpack(self.packed)
+
+
+def unpack(weight: PackedWeight) -> torch.Tensor:
+    """``pack``'s inverse, as float32 ``[out, in]`` weights."""
+    blocks = weight.scales.shape[0]
+    groups = weight.scales.shape[1]
+    data = weight.data.view(blocks, groups, 8 if weight.bits == 8 else 4, LANES, 4)
+    if weight.bits == 4:
+        data = torch.cat([data & 0x0F, data >> 4], dim=2)
+    values = data.permute(0, 3, 1, 2, 4).reshape(blocks * LANES, groups, GROUP).float()
+    scales = weight.scales.float().permute(0, 2, 1).reshape(blocks * LANES, groups, 1)
+    full = scales * (values - weight.zero)
+    if weight.mins is not None:
+        full = full + weight.mins.float().permute(0, 2, 1).reshape(blocks * LANES, groups, 1)
+    return full.view(blocks * LANES, groups * GROUP)[: weight.out_features, : weight.in_features]
+
+
+if __name__ == "__main__":  # `make venv` builds the extension once, so the first worker need not
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if load():
+        logger.info("exact kernels built (%s)", "AVX512-VNNI" if has_vector_path() else "portable code")

@@ -1,0 +1,871 @@
+// relaylm's exact kernels: every reduction's order is written here, so a row's result is a
+// function of that row's inputs alone, whatever rows share the call, whatever the thread count,
+// and whichever code path (AVX512-VNNI or portable) computes it.
+//
+// The rules that make that hold:
+// - Matmuls multiply int8 activations (quantized per block of 32 inputs) by 4- or 8-bit weights
+//   (groups of 32 inputs, a scale and an optional minimum each). A group's products are summed as
+//   int32, which is exact in any order; the float epilogue per group and the sum over groups run
+//   in one fixed sequence per output element (see `group_term`).
+// - Each output element (matmul), each query (attention) and each row (norms, softmax sums) is
+//   computed start to end by one thread; threads only split the work between elements.
+// - Vector code computes each lane with exactly the scalar code's operations (explicit FMA in
+//   both, -ffp-contract=off, no fast-math), so the portable path gives the same bits.
+// - Row reductions in floating point (norms, block sums) use 16 lanes, element k in lane k % 16,
+//   combined by the halving tree of `tree16`.
+// - exp is ours (`exp_fixed`), not libm's, so vector and scalar code agree.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define RELAYLM_X86 1
+#endif
+
+namespace relaylm_exact {
+
+constexpr int kGroup = 32;  // inputs per quantization group (weights and activations)
+constexpr int kLanes = 16;
+
+// ---------------------------------------------------------------- shared scalar definitions
+
+static inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// Round to nearest even, NaN kept quiet (as c10::BFloat16 does).
+static inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t rounding = ((bits >> 16) & 1u) + 0x7FFFu;
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+constexpr float kExpLow = -87.0f;
+constexpr float kExpHigh = 88.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = -0.693359375f;
+constexpr float kLn2Lo = 2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f;
+constexpr float kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+
+// e^x: x clamped to [-87, 88], n = rint(x log2 e), r = x - n ln 2 (two steps), a degree-6
+// polynomial in r, times 2^n; 0 below -87.
+static inline float exp_fixed(float x) {
+  float c = std::fmin(std::fmax(x, kExpLow), kExpHigh);
+  float n = std::nearbyint(c * kLog2e);
+  float r = std::fma(n, kLn2Hi, c);
+  r = std::fma(n, kLn2Lo, r);
+  float p = kP0;
+  p = std::fma(p, r, kP1);
+  p = std::fma(p, r, kP2);
+  p = std::fma(p, r, kP3);
+  p = std::fma(p, r, kP4);
+  p = std::fma(p, r, kP5);
+  float r2 = r * r;
+  p = std::fma(p, r2, r);
+  p = p + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  float out = p * scale;
+  return x < kExpLow ? 0.0f : out;
+}
+
+// Lanes [0, h) += lanes [h, 2h) for h = 8, 4, 2, 1.
+static inline float tree16(float* lanes) {
+  for (int h = 8; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) lanes[i] = lanes[i] + lanes[i + h];
+  return lanes[0];
+}
+
+// One group's contribution to an output element: the activations' d times the weights'
+// scale * (integer dot - zero * activation sum) [+ min * activation sum].
+static inline float group_term(int32_t dot, int32_t act_sum, int zero, float d, float scale, float mn,
+                               bool has_min) {
+  float t = scale * static_cast<float>(dot - zero * act_sum);
+  if (has_min) t = t + mn * static_cast<float>(act_sum);
+  return d * t;
+}
+
+static inline float load_as_float(const void* base, int64_t i, bool is_bf16) {
+  return is_bf16 ? bf16_to_float(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+}
+
+static inline void store_from_float(void* base, int64_t i, float v, bool is_bf16) {
+  if (is_bf16)
+    static_cast<uint16_t*>(base)[i] = float_to_bf16(v);
+  else
+    static_cast<float*>(base)[i] = v;
+}
+
+// ---------------------------------------------------------------- activation prologue + quantization
+
+enum Prologue : int64_t { kNone = 0, kRmsNorm = 1, kSiluMul = 2 };
+
+struct RowQuant {
+  int8_t* q;       // [groups * 32]
+  float* d;        // [groups]
+  int32_t* sums;   // [groups]
+};
+
+// The row's activations (after the prologue) in fp32, into `act` [k_in].
+static void prologue_scalar(const void* x, bool is_bf16, int64_t k_in, Prologue kind, const void* norm_w,
+                            bool norm_bf16, float eps, float* act) {
+  if (kind == kSiluMul) {
+    for (int64_t k = 0; k < k_in; ++k) {
+      float g = load_as_float(x, k, is_bf16), u = load_as_float(x, k_in + k, is_bf16);
+      float e = exp_fixed(-g);
+      act[k] = (g / (1.0f + e)) * u;
+    }
+    return;
+  }
+  for (int64_t k = 0; k < k_in; ++k) act[k] = load_as_float(x, k, is_bf16);
+  if (kind == kRmsNorm) {
+    float lanes[kLanes] = {0};
+    for (int64_t k = 0; k < k_in; ++k) lanes[k % kLanes] = std::fma(act[k], act[k], lanes[k % kLanes]);
+    float mean = tree16(lanes) / static_cast<float>(k_in);
+    float inv = 1.0f / std::sqrt(mean + eps);
+    for (int64_t k = 0; k < k_in; ++k) act[k] = (act[k] * inv) * load_as_float(norm_w, k, norm_bf16);
+  }
+}
+
+// Blocks of 32: d = amax / 127, q = rint(a * (127 / amax)), sums exact. Inputs past k_in are 0.
+static void quantize_scalar(const float* act, int64_t k_in, int64_t groups, RowQuant out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    float amax = 0.0f;
+    for (int j = 0; j < kGroup; ++j) {
+      int64_t k = g * kGroup + j;
+      if (k < k_in) amax = std::fmax(amax, std::fabs(act[k]));
+    }
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    out.d[g] = amax / 127.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < kGroup; ++j) {
+      int64_t k = g * kGroup + j;
+      float v = k < k_in ? std::nearbyint(act[k] * inv) : 0.0f;
+      v = std::fmin(std::fmax(v, -127.0f), 127.0f);
+      out.q[k] = static_cast<int8_t>(v);
+      sum += static_cast<int32_t>(v);
+    }
+    out.sums[g] = sum;
+  }
+}
+
+#ifdef RELAYLM_X86
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+
+AVX512_TARGET static inline __m512 v_load_as_float(const void* base, int64_t i, bool is_bf16, __mmask16 m) {
+  if (is_bf16) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(m, static_cast<const float*>(base) + i);
+}
+
+AVX512_TARGET static inline __m256i v_float_to_bf16(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  __m512i out = _mm512_srli_epi32(rounded, 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  out = _mm512_mask_mov_epi32(out, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(out);
+}
+
+AVX512_TARGET static inline void v_store_from_float(void* base, int64_t i, __m512 v, bool is_bf16, __mmask16 m) {
+  if (is_bf16)
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(base) + i, m, v_float_to_bf16(v));
+  else
+    _mm512_mask_storeu_ps(static_cast<float*>(base) + i, m, v);
+}
+
+AVX512_TARGET static inline __m512 v_exp_fixed(__m512 x) {
+  __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpLow)), _mm512_set1_ps(kExpHigh));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Hi), c);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kP0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
+  __m512 r2 = _mm512_mul_ps(r, r);
+  p = _mm512_fmadd_ps(p, r2, r);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+  __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 out = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLow), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(out, low, _mm512_setzero_ps());
+}
+
+// tree16 on a vector's lanes.
+AVX512_TARGET static inline float v_tree16(__m512 v) {
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  __m128 d = _mm_add_ss(c, _mm_shuffle_ps(c, c, 1));
+  return _mm_cvtss_f32(d);
+}
+
+static inline __mmask16 tail_mask(int64_t remaining) {
+  return remaining >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1u);
+}
+
+AVX512_TARGET static void prologue_avx512(const void* x, bool is_bf16, int64_t k_in, Prologue kind,
+                                          const void* norm_w, bool norm_bf16, float eps, float* act) {
+  if (kind == kSiluMul) {
+    for (int64_t k = 0; k < k_in; k += kLanes) {
+      __mmask16 m = tail_mask(k_in - k);
+      __m512 g = v_load_as_float(x, k, is_bf16, m), u = v_load_as_float(x, k_in + k, is_bf16, m);
+      __m512 e = v_exp_fixed(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+      _mm512_mask_storeu_ps(act + k, m, _mm512_mul_ps(s, u));
+    }
+    return;
+  }
+  __m512 lanes = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_in; k += kLanes) {
+    __mmask16 m = tail_mask(k_in - k);
+    __m512 v = v_load_as_float(x, k, is_bf16, m);
+    _mm512_mask_storeu_ps(act + k, m, v);
+    lanes = _mm512_mask3_fmadd_ps(v, v, lanes, m);
+  }
+  if (kind != kRmsNorm) return;
+  float mean = v_tree16(lanes) / static_cast<float>(k_in);
+  __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+  for (int64_t k = 0; k < k_in; k += kLanes) {
+    __mmask16 m = tail_mask(k_in - k);
+    __m512 v = _mm512_maskz_loadu_ps(m, act + k);
+    __m512 w = v_load_as_float(norm_w, k, norm_bf16, m);
+    _mm512_mask_storeu_ps(act + k, m, _mm512_mul_ps(_mm512_mul_ps(v, inv), w));
+  }
+}
+
+AVX512_TARGET static void quantize_avx512(const float* act, int64_t k_in, int64_t groups, RowQuant out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    int64_t k = g * kGroup;
+    __mmask16 m0 = k < k_in ? tail_mask(k_in - k) : 0, m1 = k + kLanes < k_in ? tail_mask(k_in - k - kLanes) : 0;
+    __m512 a0 = _mm512_maskz_loadu_ps(m0, act + k), a1 = _mm512_maskz_loadu_ps(m1, act + k + kLanes);
+    __m512 absmax = _mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1));
+    float amax = _mm512_reduce_max_ps(absmax);  // a max: exact in any order
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    out.d[g] = amax / 127.0f;
+    __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(a0, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(a1, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i q0 = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r0, lo), hi));
+    __m512i q1 = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r1, lo), hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + k), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.q + k + kLanes), _mm512_cvtepi32_epi8(q1));
+    out.sums[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));  // integers: exact
+  }
+}
+#endif
+
+static bool use_avx512(bool scalar) {
+#ifdef RELAYLM_X86
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+  return has && !scalar;
+#else
+  (void)scalar;
+  return false;
+#endif
+}
+
+// ---------------------------------------------------------------- quantized matmul
+//
+// Weight layout (unsigned values u, w = scale * (u - zero) [+ min]), for blocks of 16 outputs:
+//   bits 8: [out/16][groups][8 quads][16 outputs][4 inputs]          one byte per value
+//   bits 4: [out/16][groups][4 quads][16 outputs][4 inputs], the byte holding quad j's value in
+//           its low nibble and quad j + 4's in its high nibble
+//   scales, mins: [out/16][groups][16 outputs], float32, or float16 where every value is one
+//   exactly (a GGUF's Q4_0/Q4_1/Q8_0 scales are): the same numbers in fewer bytes to read
+
+struct PackedWeight {
+  const uint8_t* data;
+  const void* scales;
+  const void* mins;  // null: none
+  bool half;         // scales and mins are float16
+  int zero;
+  int bits;
+  int64_t groups;
+};
+
+static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+static inline float scale_at(const void* base, int64_t i, bool half) {
+  return half ? half_to_float(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+}
+
+static inline int weight_value(const PackedWeight& w, int64_t block, int64_t g, int quad, int lane, int byte) {
+  if (w.bits == 8) {
+    return w.data[(((block * w.groups + g) * 8 + quad) * kLanes + lane) * 4 + byte];
+  }
+  uint8_t packed = w.data[(((block * w.groups + g) * 4 + (quad & 3)) * kLanes + lane) * 4 + byte];
+  return quad < 4 ? (packed & 0x0F) : (packed >> 4);
+}
+
+static void matmul_block_scalar(const PackedWeight& w, int64_t block, const RowQuant* rows, int64_t num_rows,
+                                int64_t n_out, const float* bias, void* out, int64_t out_stride, bool out_bf16) {
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int lane = 0; lane < kLanes; ++lane) {
+      int64_t n = block * kLanes + lane;
+      if (n >= n_out) break;
+      float acc = 0.0f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        int32_t dot = 0;
+        for (int quad = 0; quad < 8; ++quad)
+          for (int byte = 0; byte < 4; ++byte)
+            dot += weight_value(w, block, g, quad, lane, byte) * static_cast<int32_t>(rows[r].q[g * kGroup + quad * 4 + byte]);
+        int64_t s = (block * w.groups + g) * kLanes + lane;
+        acc = acc + group_term(dot, rows[r].sums[g], w.zero, rows[r].d[g], scale_at(w.scales, s, w.half),
+                               w.mins ? scale_at(w.mins, s, w.half) : 0.0f, w.mins != nullptr);
+      }
+      if (bias) acc = acc + bias[n];
+      store_from_float(out, r * out_stride + n, acc, out_bf16);
+    }
+  }
+}
+
+#ifdef RELAYLM_X86
+AVX512_TARGET static inline __m512 load_scales(const void* base, int64_t i, bool half) {
+  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i)));
+  return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+}
+
+template <int R>
+AVX512_TARGET static inline void matmul_rows_avx512(const PackedWeight& w, int64_t block, const RowQuant* rows,
+                                                    __m512* acc) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    if (w.bits == 8) {
+      const uint8_t* base = w.data + (block * w.groups + g) * 8 * 64;
+      for (int quad = 0; quad < 8; ++quad) {
+        __m512i wv = _mm512_loadu_si512(base + quad * 64);
+        for (int r = 0; r < R; ++r) {
+          int32_t a;
+          std::memcpy(&a, rows[r].q + g * kGroup + quad * 4, 4);
+          dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_set1_epi32(a));
+        }
+      }
+    } else {
+      const uint8_t* base = w.data + (block * w.groups + g) * 4 * 64;
+      for (int quad = 0; quad < 4; ++quad) {
+        __m512i packed = _mm512_loadu_si512(base + quad * 64);
+        __m512i low = _mm512_and_si512(packed, nibble);
+        __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          int32_t a, b;
+          std::memcpy(&a, rows[r].q + g * kGroup + quad * 4, 4);
+          std::memcpy(&b, rows[r].q + g * kGroup + (quad + 4) * 4, 4);
+          dot[r] = _mm512_dpbusd_epi32(dot[r], low, _mm512_set1_epi32(a));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], high, _mm512_set1_epi32(b));
+        }
+      }
+    }
+    int64_t s = (block * w.groups + g) * kLanes;
+    __m512 scale = load_scales(w.scales, s, w.half);
+    __m512 mn = w.mins ? load_scales(w.mins, s, w.half) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      int32_t sum = rows[r].sums[g];
+      __m512i centred = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(w.zero * sum));
+      __m512 t = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(centred));
+      if (w.mins) t = _mm512_add_ps(t, _mm512_mul_ps(mn, _mm512_set1_ps(static_cast<float>(sum))));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(rows[r].d[g]), t));
+    }
+  }
+}
+
+AVX512_TARGET static void matmul_block_avx512(const PackedWeight& w, int64_t block, const RowQuant* rows,
+                                              int64_t num_rows, int64_t n_out, const float* bias, void* out,
+                                              int64_t out_stride, bool out_bf16) {
+  int64_t n0 = block * kLanes;
+  __mmask16 m = tail_mask(n_out - n0);
+  __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + n0) : _mm512_setzero_ps();
+  int64_t r = 0;
+  for (; r + 4 <= num_rows; r += 4) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    matmul_rows_avx512<4>(w, block, rows + r, acc);
+    for (int i = 0; i < 4; ++i) {
+      __m512 v = bias ? _mm512_add_ps(acc[i], b) : acc[i];
+      v_store_from_float(out, (r + i) * out_stride + n0, v, out_bf16, m);
+    }
+  }
+  for (; r < num_rows; ++r) {
+    __m512 acc[1] = {_mm512_setzero_ps()};
+    matmul_rows_avx512<1>(w, block, rows + r, acc);
+    __m512 v = bias ? _mm512_add_ps(acc[0], b) : acc[0];
+    v_store_from_float(out, r * out_stride + n0, v, out_bf16, m);
+  }
+}
+#endif
+
+// x [rows, k_in] (silu_mul: [rows, 2 * k_in]); out [rows, n_out].
+at::Tensor qlinear(const at::Tensor& x_in, int64_t prologue, const c10::optional<at::Tensor>& norm_weight, double eps,
+                   const at::Tensor& weight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                   int64_t zero, int64_t bits, int64_t n_out, int64_t k_in, const c10::optional<at::Tensor>& bias,
+                   bool out_float32, bool scalar) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "qlinear: bf16 or fp32 input");
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: 4 or 8 bits");
+  auto kind = static_cast<Prologue>(prologue);
+  int64_t width = kind == kSiluMul ? 2 * k_in : k_in;
+  TORCH_CHECK(x_in.size(-1) == width, "qlinear: input width ", x_in.size(-1), ", expected ", width);
+  at::Tensor x = x_in.reshape({-1, width}).contiguous();
+  int64_t num_rows = x.size(0);
+  int64_t groups = (k_in + kGroup - 1) / kGroup;
+  int64_t blocks = (n_out + kLanes - 1) / kLanes;
+  TORCH_CHECK(weight.numel() == blocks * groups * kGroup * kLanes * bits / 8, "qlinear: packed weight size");
+  bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  bool out_bf16 = !out_float32 && is_bf16;
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = n_out;
+  at::Tensor out = at::empty({num_rows, n_out}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+  if (num_rows == 0) return out.view(out_shape);
+
+  at::Tensor norm_w;
+  const void* norm_ptr = nullptr;
+  bool norm_bf16 = false;
+  if (kind == kRmsNorm) {
+    TORCH_CHECK(norm_weight.has_value(), "qlinear: rms_norm needs its weight");
+    norm_w = norm_weight->contiguous();
+    norm_ptr = norm_w.data_ptr();
+    norm_bf16 = norm_w.scalar_type() == at::kBFloat16;
+  }
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  at::Tensor scales_c = scales.contiguous(), weight_c = weight.contiguous();
+  at::Tensor mins_c;
+  if (mins.has_value()) mins_c = mins->contiguous();
+
+  std::vector<int8_t> q(num_rows * groups * kGroup);
+  std::vector<float> d(num_rows * groups);
+  std::vector<int32_t> sums(num_rows * groups);
+  std::vector<RowQuant> rows(num_rows);
+  for (int64_t r = 0; r < num_rows; ++r)
+    rows[r] = RowQuant{q.data() + r * groups * kGroup, d.data() + r * groups, sums.data() + r * groups};
+  const bool vec = use_avx512(scalar);
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const int64_t row_bytes = width * x.element_size();
+  // Each row by one thread, each output block by one thread: the split never reaches a sum.
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> act(groups * kGroup);
+    for (int64_t r = begin; r < end; ++r) {
+#ifdef RELAYLM_X86
+      if (vec) {
+        prologue_avx512(xp + r * row_bytes, is_bf16, k_in, kind, norm_ptr, norm_bf16, static_cast<float>(eps), act.data());
+        quantize_avx512(act.data(), k_in, groups, rows[r]);
+        continue;
+      }
+#endif
+      prologue_scalar(xp + r * row_bytes, is_bf16, k_in, kind, norm_ptr, norm_bf16, static_cast<float>(eps), act.data());
+      quantize_scalar(act.data(), k_in, groups, rows[r]);
+    }
+  });
+  const bool half = scales_c.scalar_type() == at::kHalf;
+  TORCH_CHECK(half || scales_c.scalar_type() == at::kFloat, "qlinear: float32 or float16 scales");
+  TORCH_CHECK(!mins.has_value() || mins_c.scalar_type() == scales_c.scalar_type(), "qlinear: mins as scales");
+  PackedWeight w{weight_c.data_ptr<uint8_t>(), scales_c.data_ptr(), mins.has_value() ? mins_c.data_ptr() : nullptr,
+                 half, static_cast<int>(zero), static_cast<int>(bits), groups};
+  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  void* out_ptr = out.data_ptr();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+#ifdef RELAYLM_X86
+      if (vec) {
+        matmul_block_avx512(w, block, rows.data(), num_rows, n_out, bias_ptr, out_ptr, n_out, out_bf16);
+        continue;
+      }
+#endif
+      matmul_block_scalar(w, block, rows.data(), num_rows, n_out, bias_ptr, out_ptr, n_out, out_bf16);
+    }
+  });
+  return out.view(out_shape);
+}
+
+// ---------------------------------------------------------------- attention
+//
+// q [rows, heads, queries, dim], k/v [rows, kv_heads, keys, dim] (any strides, dim contiguous),
+// positions [rows, queries]: query (r, t) sees keys 0..positions[r, t]. Out [rows, queries, heads, dim].
+// Per query: s_j = (sum over d, in order, by FMA from 0 of q_d k_jd) * scale; m = max s_j;
+// p_j = exp_fixed(s_j - m); l = sum p_j in key order; o_d = sum p_j v_jd in key order (FMA); o_d / l.
+
+struct AttnArgs {
+  const char *q, *k, *v;
+  int64_t q_row, q_head, q_pos;      // element strides
+  int64_t k_row, k_head, k_pos;
+  int64_t v_row, v_head, v_pos;
+  bool bf16;
+  const int64_t* positions;          // [rows, queries]
+  int64_t queries, heads, kv_heads, dim, keys;
+  float scale;
+  char* out;                         // [rows, queries, heads, dim]
+};
+
+static inline float elem(const char* base, int64_t i, bool bf16) {
+  return bf16 ? bf16_to_float(reinterpret_cast<const uint16_t*>(base)[i]) : reinterpret_cast<const float*>(base)[i];
+}
+
+static inline int64_t query_position(const AttnArgs& a, int64_t row, int64_t t) {
+  int64_t p = a.positions[row * a.queries + t];
+  return p < a.keys - 1 ? (p < 0 ? 0 : p) : a.keys - 1;
+}
+
+static void attend_scalar(const AttnArgs& a, int64_t row, int64_t head, int64_t t) {
+  int64_t kvh = head / (a.heads / a.kv_heads);
+  int64_t last = query_position(a, row, t);
+  int64_t qo = row * a.q_row + head * a.q_head + t * a.q_pos;
+  std::vector<float> s(last + 1), o(a.dim, 0.0f);
+  float m = -INFINITY;
+  for (int64_t j = 0; j <= last; ++j) {
+    int64_t ko = row * a.k_row + kvh * a.k_head + j * a.k_pos;
+    float acc = 0.0f;
+    for (int64_t d = 0; d < a.dim; ++d) acc = std::fma(elem(a.q, qo + d, a.bf16), elem(a.k, ko + d, a.bf16), acc);
+    s[j] = acc * a.scale;
+    m = std::fmax(m, s[j]);
+  }
+  float l = 0.0f;
+  for (int64_t j = 0; j <= last; ++j) {
+    float p = exp_fixed(s[j] - m);
+    l = l + p;
+    int64_t vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
+    for (int64_t d = 0; d < a.dim; ++d) o[d] = std::fma(p, elem(a.v, vo + d, a.bf16), o[d]);
+  }
+  int64_t oo = ((row * a.queries + t) * a.heads + head) * a.dim;
+  for (int64_t d = 0; d < a.dim; ++d) store_from_float(a.out, oo + d, o[d] / l, a.bf16);
+}
+
+#ifdef RELAYLM_X86
+// Up to 16 queries of one kv head, one per lane; every lane runs attend_scalar's operations.
+AVX512_TARGET static void attend_avx512(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
+                                        const int64_t* lane_t, int count) {
+  const int64_t dim = a.dim;
+  std::vector<float> qt(dim * kLanes, 0.0f);  // [dim][lane]
+  alignas(64) int32_t last_lane[kLanes];
+  int64_t last = 0;
+  for (int i = 0; i < kLanes; ++i) {
+    if (i < count) {
+      int64_t qo = row * a.q_row + lane_head[i] * a.q_head + lane_t[i] * a.q_pos;
+      for (int64_t d = 0; d < dim; ++d) qt[d * kLanes + i] = elem(a.q, qo + d, a.bf16);
+      int64_t p = query_position(a, row, lane_t[i]);
+      last_lane[i] = static_cast<int32_t>(p);
+      last = p > last ? p : last;
+    } else {
+      last_lane[i] = -1;
+    }
+  }
+  __m512i last_v = _mm512_load_si512(last_lane);
+  std::vector<float> scores((last + 1) * kLanes);
+  std::vector<float> key(dim);
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t j = 0; j <= last; ++j) {
+    __mmask16 visible = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j)), last_v, _MM_CMPINT_LE);
+    int64_t ko = row * a.k_row + kvh * a.k_head + j * a.k_pos;
+    for (int64_t d = 0; d < dim; ++d) key[d] = elem(a.k, ko + d, a.bf16);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt.data() + d * kLanes), _mm512_set1_ps(key[d]), acc);
+    __m512 s = _mm512_mul_ps(acc, scale);
+    _mm512_storeu_ps(scores.data() + j * kLanes, s);
+    m = _mm512_mask_max_ps(m, visible, m, s);
+  }
+  std::vector<float> o(dim * kLanes, 0.0f);  // [dim][lane]
+  __m512 l = _mm512_setzero_ps();
+  for (int64_t j = 0; j <= last; ++j) {
+    __mmask16 visible = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j)), last_v, _MM_CMPINT_LE);
+    __m512 p = v_exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j * kLanes), m));
+    l = _mm512_mask_add_ps(l, visible, l, p);
+    int64_t vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
+    for (int64_t d = 0; d < dim; ++d) {
+      float* od = o.data() + d * kLanes;
+      _mm512_storeu_ps(od, _mm512_mask3_fmadd_ps(p, _mm512_set1_ps(elem(a.v, vo + d, a.bf16)), _mm512_loadu_ps(od), visible));
+    }
+  }
+  alignas(64) float lsum[kLanes];
+  _mm512_store_ps(lsum, l);
+  for (int i = 0; i < count; ++i) {
+    int64_t oo = ((row * a.queries + lane_t[i]) * a.heads + lane_head[i]) * dim;
+    for (int64_t d = 0; d < dim; ++d) store_from_float(a.out, oo + d, o[d * kLanes + i] / lsum[i], a.bf16);
+  }
+}
+
+// 16 rows of 16 floats, transposed in place.
+AVX512_TARGET static inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// A few queries of one kv head (a decode step's), keys sixteen at a time in the lanes: the
+// same operations per (query, key) as attend_scalar, on keys transposed in registers.
+AVX512_TARGET static void attend_few_avx512(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
+                                            const int64_t* lane_t, int count) {
+  const int64_t dim = a.dim;
+  int64_t last[kLanes], last_max = 0;
+  std::vector<float> q(count * dim);
+  for (int c = 0; c < count; ++c) {
+    int64_t qo = row * a.q_row + lane_head[c] * a.q_head + lane_t[c] * a.q_pos;
+    for (int64_t d = 0; d < dim; ++d) q[c * dim + d] = elem(a.q, qo + d, a.bf16);
+    last[c] = query_position(a, row, lane_t[c]);
+    last_max = last[c] > last_max ? last[c] : last_max;
+  }
+  const int64_t width = (last_max + kLanes) / kLanes * kLanes;
+  std::vector<float> scores(count * width), kt(dim * kLanes);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t j0 = 0; j0 <= last_max; j0 += kLanes) {
+    int64_t n = last_max + 1 - j0 < kLanes ? last_max + 1 - j0 : kLanes;
+    for (int64_t dc = 0; dc < dim; dc += kLanes) {
+      __m512 block[kLanes];
+      for (int i = 0; i < kLanes; ++i)
+        block[i] = i < n ? v_load_as_float(a.k, row * a.k_row + kvh * a.k_head + (j0 + i) * a.k_pos + dc, a.bf16, 0xFFFF)
+                         : _mm512_setzero_ps();
+      transpose16(block);
+      for (int i = 0; i < kLanes; ++i) _mm512_storeu_ps(kt.data() + (dc + i) * kLanes, block[i]);
+    }
+    for (int c = 0; c < count; ++c) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; ++d)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(q[c * dim + d]), _mm512_loadu_ps(kt.data() + d * kLanes), acc);
+      _mm512_storeu_ps(scores.data() + c * width + j0, _mm512_mul_ps(acc, scale));
+    }
+  }
+  std::vector<float> p(width);
+  __m512 o[16];
+  const int64_t chunks = dim / kLanes;
+  for (int c = 0; c < count; ++c) {
+    const float* s = scores.data() + c * width;
+    float m = -INFINITY;
+    for (int64_t j = 0; j <= last[c]; ++j) m = std::fmax(m, s[j]);
+    for (int64_t j = 0; j <= last[c]; j += kLanes)
+      _mm512_storeu_ps(p.data() + j, v_exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(m))));
+    for (int64_t i = 0; i < chunks; ++i) o[i] = _mm512_setzero_ps();
+    float l = 0.0f;
+    for (int64_t j = 0; j <= last[c]; ++j) {
+      l = l + p[j];
+      __m512 pj = _mm512_set1_ps(p[j]);
+      int64_t vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
+      for (int64_t i = 0; i < chunks; ++i)
+        o[i] = _mm512_fmadd_ps(pj, v_load_as_float(a.v, vo + i * kLanes, a.bf16, 0xFFFF), o[i]);
+    }
+    int64_t oo = ((row * a.queries + lane_t[c]) * a.heads + lane_head[c]) * dim;
+    for (int64_t i = 0; i < chunks; ++i)
+      v_store_from_float(a.out, oo + i * kLanes, _mm512_div_ps(o[i], _mm512_set1_ps(l)), a.bf16, 0xFFFF);
+  }
+}
+#endif
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                     double scale, bool scalar) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: 4-d q, k, v");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "attention: one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "attention: bf16 or fp32");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "attention: dim must be contiguous");
+  int64_t rows = q.size(0), heads = q.size(1), queries = q.size(2), dim = q.size(3);
+  int64_t kv_heads = k.size(1), keys = k.size(2);
+  TORCH_CHECK(heads % kv_heads == 0, "attention: heads a multiple of kv heads");
+  at::Tensor pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.size(0) == rows && pos.size(1) == queries, "attention: positions [rows, queries]");
+  at::Tensor out = at::empty({rows, queries, heads, dim}, q.options());
+  if (q.numel() == 0) return out;
+  AttnArgs a{static_cast<const char*>(q.data_ptr()), static_cast<const char*>(k.data_ptr()),
+             static_cast<const char*>(v.data_ptr()), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+             k.stride(2), v.stride(0), v.stride(1), v.stride(2), q.scalar_type() == at::kBFloat16,
+             pos.data_ptr<int64_t>(), queries, heads, kv_heads, dim, keys, static_cast<float>(scale),
+             static_cast<char*>(out.data_ptr())};
+  const int64_t group = heads / kv_heads;
+  const int64_t per_kv = group * queries;  // query lanes of one kv head: (t, head in group)
+  const int64_t chunks = (per_kv + kLanes - 1) / kLanes;
+  const bool vec = use_avx512(scalar);
+  at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      int64_t chunk = item % chunks, kvh = (item / chunks) % kv_heads, row = item / chunks / kv_heads;
+      int64_t lane_head[kLanes], lane_t[kLanes];
+      int count = 0;
+      for (int64_t i = chunk * kLanes; i < per_kv && count < kLanes; ++i, ++count) {
+        lane_t[count] = i / group;
+        lane_head[count] = kvh * group + i % group;
+      }
+#ifdef RELAYLM_X86
+      if (vec && count <= 4 && dim % kLanes == 0 && dim <= 256) {
+        attend_few_avx512(a, row, kvh, lane_head, lane_t, count);
+        continue;
+      }
+      if (vec) {
+        attend_avx512(a, row, kvh, lane_head, lane_t, count);
+        continue;
+      }
+#endif
+      for (int i = 0; i < count; ++i) attend_scalar(a, row, lane_head[i], lane_t[i]);
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- norms and sampler reductions
+
+#ifdef RELAYLM_X86
+AVX512_TARGET static void store_row_avx512(const float* act, int64_t k, void* out, bool bf16) {
+  for (int64_t i = 0; i < k; i += kLanes) {
+    __mmask16 m = tail_mask(k - i);
+    v_store_from_float(out, i, _mm512_maskz_loadu_ps(m, act + i), bf16, m);
+  }
+}
+
+AVX512_TARGET static void exp_shifted_row_avx512(const float* x, int64_t width, float m, float* out) {
+  for (int64_t i = 0; i < width; i += kLanes) {
+    __mmask16 mask = tail_mask(width - i);
+    __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
+    _mm512_mask_storeu_ps(out + i, mask, v_exp_fixed(_mm512_sub_ps(v, _mm512_set1_ps(m))));
+  }
+}
+
+AVX512_TARGET static float block_sum_avx512(const float* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    __mmask16 mask = tail_mask(n - i);
+    acc = _mm512_mask_add_ps(acc, mask, acc, _mm512_maskz_loadu_ps(mask, x + i));
+  }
+  return v_tree16(acc);
+}
+#endif
+
+// RMSNorm of each row of x [..., k]: sum of squares in 16 lanes (tree16), (x / rms) * w.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, bool scalar) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "rms_norm: bf16 or fp32");
+  int64_t k = x_in.size(-1);
+  at::Tensor x = x_in.reshape({-1, k}).contiguous();
+  at::Tensor w = weight.contiguous();
+  at::Tensor out = at::empty_like(x);
+  bool bf16 = x.scalar_type() == at::kBFloat16, w_bf16 = w.scalar_type() == at::kBFloat16;
+  const bool vec = use_avx512(scalar);
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  const int64_t row_bytes = k * x.element_size();
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> act(k);
+    for (int64_t r = begin; r < end; ++r) {
+#ifdef RELAYLM_X86
+      if (vec) {
+        prologue_avx512(xp + r * row_bytes, bf16, k, kRmsNorm, w.data_ptr(), w_bf16, static_cast<float>(eps), act.data());
+        store_row_avx512(act.data(), k, op + r * row_bytes, bf16);
+        continue;
+      }
+#endif
+      prologue_scalar(xp + r * row_bytes, bf16, k, kRmsNorm, w.data_ptr(), w_bf16, static_cast<float>(eps), act.data());
+      for (int64_t i = 0; i < k; ++i) store_from_float(op + r * row_bytes, i, act[i], bf16);
+    }
+  });
+  return out.view(x_in.sizes());
+}
+
+// exp_fixed(x - max of its row), fp32 [rows, width]: unnormalised probabilities.
+at::Tensor exp_shifted(const at::Tensor& x_in, bool scalar) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "exp_shifted: fp32 [rows, width]");
+  at::Tensor x = x_in.contiguous();
+  at::Tensor out = at::empty_like(x);
+  int64_t width = x.size(1);
+  const bool vec = use_avx512(scalar);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x.data_ptr<float>() + r * width;
+      float* o = out.data_ptr<float>() + r * width;
+      float m = -INFINITY;
+      for (int64_t i = 0; i < width; ++i) m = std::fmax(m, xr[i]);  // exact in any order
+#ifdef RELAYLM_X86
+      if (vec) {
+        exp_shifted_row_avx512(xr, width, m, o);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < width; ++i) o[i] = exp_fixed(xr[i] - m);
+    }
+  });
+  return out;
+}
+
+// Sums of each `block`-wide run of each row (the last may be shorter), fp32: element i of a
+// block in lane i % 16, tree16.
+at::Tensor block_sums(const at::Tensor& x_in, int64_t block, bool scalar) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "block_sums: fp32 [rows, width]");
+  at::Tensor x = x_in.contiguous();
+  int64_t rows = x.size(0), width = x.size(1), blocks = (width + block - 1) / block;
+  at::Tensor out = at::empty({rows, blocks}, x.options());
+  const bool vec = use_avx512(scalar);
+  at::parallel_for(0, rows * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      int64_t r = item / blocks, b = item % blocks;
+      const float* xs = x.data_ptr<float>() + r * width + b * block;
+      int64_t n = std::min(block, width - b * block);
+      float result;
+#ifdef RELAYLM_X86
+      if (vec) {
+        result = block_sum_avx512(xs, n);
+      } else
+#endif
+      {
+        float lanes[kLanes] = {0};
+        for (int64_t i = 0; i < n; ++i) lanes[i % kLanes] = lanes[i % kLanes] + xs[i];
+        result = tree16(lanes);
+      }
+      out.data_ptr<float>()[item] = result;
+    }
+  });
+  return out;
+}
+
+bool has_avx512() { return use_avx512(false); }
+
+}  // namespace relaylm_exact
+
+TORCH_LIBRARY(relaylm_exact, m) {
+  m.def(
+      "qlinear(Tensor x, int prologue, Tensor? norm_weight, float eps, Tensor weight, Tensor scales, Tensor? mins, "
+      "int zero, int bits, int n_out, int k_in, Tensor? bias, bool out_float32, bool scalar) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale, bool scalar) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool scalar) -> Tensor");
+  m.def("exp_shifted(Tensor x, bool scalar) -> Tensor");
+  m.def("block_sums(Tensor x, int block, bool scalar) -> Tensor");
+  m.def("has_avx512() -> bool", &relaylm_exact::has_avx512);
+}
+
+TORCH_LIBRARY_IMPL(relaylm_exact, CPU, m) {
+  m.impl("qlinear", &relaylm_exact::qlinear);
+  m.impl("attention", &relaylm_exact::attention);
+  m.impl("rms_norm", &relaylm_exact::rms_norm);
+  m.impl("exp_shifted", &relaylm_exact::exp_shifted);
+  m.impl("block_sums", &relaylm_exact::block_sums);
+}
