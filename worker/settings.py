@@ -49,12 +49,13 @@ class WorkerSettings(CommonSettings):
     quantization: Literal["auto", "none", "int8", "int4"] = Field(
         default="auto",
         description=(
-            "Small decode batches (up to 4 rows) read packed low-bit copies of the native forward's matmul "
-            "weights (CPU; faster single streams, more weight memory): int8 per channel, or int4 in groups of 32 "
-            "(a 4-bit GGUF's own groups where the model came from one, else quantized at load), with an int8 "
-            "head. auto: int4 where the model carries a 4-bit GGUF's groups (the default model does) and "
-            "--deterministic is off, none elsewhere; none: the serving dtype only. With --deterministic on, int8 and "
-            "int4 serve matmuls of every row count (the same text alone or batched; slower batches)."
+            "How the native forward's matmul weights are held (CPU). With --deterministic on, the exact kernels "
+            "read 4- or 8-bit groups of 32 for every row count: auto: a 4-bit GGUF's own groups where the model "
+            "came from one (the default model did), 8-bit groups elsewhere and for the head; int8: 8-bit groups "
+            "everywhere; int4: 4-bit groups everywhere (quantized at load where the GGUF has none); none: keeps "
+            "the serving dtype and so gives up the promise. With --deterministic off, small decode batches (up to "
+            "4 rows) read packed low-bit copies (int8 per channel, or int4 groups; auto: int4 where the model "
+            "carries a 4-bit GGUF's groups, else none) and larger ones the serving-dtype weights."
         ),
     )
     max_model_len: int | None = Field(
@@ -85,10 +86,11 @@ class WorkerSettings(CommonSettings):
         default="on",
         description=(
             "on: a request's text depends on the request alone (greedy, or sampled with a seed), not on the "
-            "batch it shares, the prefix cache or how its prompt was chunked: batch-invariant matmuls (checked "
-            "on this CPU at load) and attention (bf16 on the CPU, native forward), the bf16 weights for every "
-            "matmul (--quantization auto packs nothing; int4/int8 serve every row), no compiled one-row step, "
-            "cached prefixes copied rather than held once. off: the fastest kernels for each batch size."
+            "batch it shares, the prefix cache, how its prompt was chunked, the thread count or a failover: "
+            "relaylm's exact kernels (integer matmuls on quantized weights, norms, attention and sampling sums "
+            "in an order fixed in code; CPU, native forward, a C++ compiler at first start), checked by a "
+            "self-test at load; cached prefixes copied rather than held once; no compiled one-row step. "
+            "off: the library's fastest kernels for each batch size."
         ),
     )
     compile_decode: Literal["auto", "off"] = Field(

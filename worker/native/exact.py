@@ -37,6 +37,10 @@ GROUP = 32  # inputs per quantization group, for weights and activations alike
 LANES = 16  # outputs per packed weight block
 
 PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2
+# No contraction of a * b + c into FMAs and no fast-math: the code's operations are the
+# definition. OpenMP: at::parallel_for is inline, and runs on torch's thread pool only when the
+# extension is built with it (libgomp.so.1 then resolves to the copy torch loaded).
+CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17", "-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -51,11 +55,12 @@ def load() -> bool:
         try:
             from torch.utils import cpp_extension
 
-            digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+            digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
             cpp_extension.load(
                 name=f"relaylm_exact_{digest}",
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c++17"],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,
             )
@@ -139,14 +144,18 @@ def _narrowest(scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.T
 
 
 def pack_int8(weight: torch.Tensor) -> PackedWeight:
-    """Symmetric 8-bit groups of 32 (llama.cpp's Q8_0): ``scale = max|w| / 127``."""
+    """Symmetric 8-bit groups of 32 as llama.cpp's Q8_0: ``scale = max|w| / 127`` rounded up to a
+    float16 (so a Q8_0 weight, whose scales are float16, packs back exactly)."""
     out_features, in_features = weight.shape
     groups = -(-in_features // GROUP)
     full = weight.detach().float()
     if groups * GROUP > in_features:
         full = torch.cat([full, full.new_zeros(out_features, groups * GROUP - in_features)], dim=1)
     grouped = full.view(out_features, groups, GROUP)
-    scales = grouped.abs().amax(dim=-1) / 127.0
+    exact_scales = grouped.abs().amax(dim=-1) / 127.0
+    halves = exact_scales.half()
+    up = torch.nextafter(halves, torch.full_like(halves, float("inf")))
+    scales = torch.where(halves.float() < exact_scales, up, halves).float()
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(grouped / safe[..., None]).clamp(-127, 127)
     values = (q + 128).to(torch.uint8).view(out_features, groups * GROUP)[:, :in_features]

@@ -1,0 +1,77 @@
+"""The load-time self-test a worker runs before it promises deterministic text
+(``worker/engine/self_test.py``), and where the loader keeps the promise or gives it up."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.models import tiny_random_llama_dir
+from worker.engine.self_test import check_determinism
+from worker.model_loader import LoadedModel, load_model
+from worker.native import exact
+from worker.native.decoder import NativeCausalLM
+
+pytestmark = pytest.mark.skipif(not exact.available(), reason="the exact kernels need a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return tiny_random_llama_dir(seed=5, hidden_size=128, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def deterministic(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    cache = tmp_path_factory.mktemp("cache")
+    return load_model(str(folder), cache, "cpu", "bfloat16", 512, "native", "auto", deterministic=True)
+
+
+def test_the_exact_kernels_pass_it(deterministic: LoadedModel) -> None:
+    assert isinstance(deterministic.model, NativeCausalLM) and deterministic.model.deterministic
+    result = check_determinism(deterministic.model, deterministic.tokenizer, deterministic.eos_token_ids, {1, 2})
+    assert result.holds, result.detail
+    assert "together" in result.detail and "[1, 2]" in result.detail
+
+
+def test_logits_that_depend_on_the_batch_fail_it(deterministic: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward whose logits shift with the number of rows in the step (what a library kernel
+    choosing its blocking by row count does) is caught, and what differed is said."""
+    model = deterministic.model
+    assert isinstance(model, NativeCausalLM)
+    logits = model.logits
+
+    def by_row_count(hidden: torch.Tensor) -> torch.Tensor:
+        out = logits(hidden)
+        return out + 0.5 * (hidden.shape[0] > 1) * torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+
+    monkeypatch.setattr(model, "logits", by_row_count)
+    result = check_determinism(model, deterministic.tokenizer, deterministic.eos_token_ids, {1})
+    assert not result.holds
+    assert "eight at a time" in result.detail and "differ from their run alone" in result.detail
+
+
+def test_a_thread_count_that_changes_bits_fails_it(deterministic: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = deterministic.model
+    assert isinstance(model, NativeCausalLM)
+    logits = model.logits
+    threads = torch.get_num_threads()
+
+    def by_threads(hidden: torch.Tensor) -> torch.Tensor:
+        out = logits(hidden)
+        return out if torch.get_num_threads() == threads else out.roll(1, dims=-1)
+
+    monkeypatch.setattr(model, "logits", by_threads)
+    result = check_determinism(model, deterministic.tokenizer, deterministic.eos_token_ids, {threads + 1})
+    assert not result.holds and f"at {threads + 1} threads" in result.detail
+
+
+def test_quantization_none_keeps_the_library_kernels_and_says_the_promise_is_off(
+    folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="worker.model_loader"):
+        loaded = load_model(str(folder), tmp_path, "cpu", "bfloat16", 512, "native", "none", deterministic=True)
+    assert isinstance(loaded.model, NativeCausalLM) and not loaded.model.deterministic
+    assert "--deterministic on cannot hold" in caplog.text and "--quantization none" in caplog.text
