@@ -55,8 +55,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "perplexity.json"
 LLAMA_PERPLEXITY = REPO_ROOT / ".cache" / "llama.cpp" / "bin" / "llama-perplexity"
 
-# What relaylm runs: load_model's keyword arguments (quantization "auto", the serving default,
-# resolves to int4 on the GGUF's own groups with --deterministic off and to none with it on).
+# What relaylm runs: load_model's keyword arguments (quantization "auto", the serving default:
+# with --deterministic on the exact kernels on the GGUF's own 4-bit groups and an 8-bit head;
+# with it off, packed int4 copies for small decode batches and bf16 above).
 CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("deterministic=True (serving default)", {"deterministic": True, "quantization": "auto"}),
     ("deterministic=False", {"deterministic": False, "quantization": "auto"}),
@@ -145,6 +146,9 @@ def _shown(path: Path) -> str:
 
 
 def applied_quantization(loaded: LoadedModel) -> str:
+    if isinstance(loaded.model, NativeCausalLM) and loaded.model.deterministic:
+        bits = {layer.exact.down.packed.bits for layer in loaded.model.model.layers if layer.exact is not None}
+        return f"exact kernels: int{min(bits)} groups, int8 head, int8 activations"
     kinds = {type(module) for module in loaded.model.modules()}
     if Int4Linear in kinds:
         return "int4, int8 head"

@@ -33,9 +33,12 @@ def default_stack(redis_url: str, log_dir: Path, default_model_path: Path) -> It
 
 
 def test_greedy_capital_of_france_mentions_paris(default_stack: Stack) -> None:
+    """The README's first request. Asked bare ("What is the capital of France?"), this 135M model
+    on its 4-bit weights continues in French instead ("L'Étoile, la Marseillaise, ..."), and so
+    does llama.cpp's llama-server on the same GGUF; asked which city, both answer Paris."""
     stream = default_stack.client().chat.completions.create(
         model=DEFAULT_MODEL,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[{"role": "user", "content": "Which city is the capital of France?"}],
         temperature=0,
         max_tokens=30,
         stream=True,

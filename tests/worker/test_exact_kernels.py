@@ -96,18 +96,22 @@ def reference_matmul(x: torch.Tensor, weight: exact.PackedWeight, bias: torch.Te
     bits=st.sampled_from([4, 8]),
     half=st.booleans(),
     with_bias=st.booleans(),
+    with_residual=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_the_matmul_is_its_definition_in_vector_and_portable_code(
-    out_features: int, in_features: int, rows: int, bits: int, half: bool, with_bias: bool, seed: int
-) -> None:
+    out_features: int, in_features: int, rows: int, bits: int, half: bool, with_bias: bool, with_residual: bool,
+    seed: int,
+) -> None:  # fmt: skip
     weight = _weight(out_features, in_features, bits, seed, half)
     generator = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(rows, in_features, generator=generator) * 3
     bias = torch.randn(out_features, generator=generator) if with_bias else None
+    residual = torch.randn(rows, out_features, generator=generator) if with_residual else None
     expected = reference_matmul(x, weight, bias)
-    assert torch.equal(exact.matmul(x, weight, bias, scalar=True), expected)
-    assert torch.equal(exact.matmul(x, weight, bias), expected)
+    expected = expected if residual is None else residual + expected
+    assert torch.equal(exact.matmul(x, weight, bias, residual=residual, scalar=True), expected)
+    assert torch.equal(exact.matmul(x, weight, bias, residual=residual), expected)
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)

@@ -167,8 +167,9 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         cache: StepCache,
     ) -> torch.Tensor:
-        """``forward`` on the exact kernels, ``hidden`` not yet normalised (``parts.qkv`` does it):
-        every query sees the keys of positions ``0..positions[row, t]`` of its row's slot."""
+        """``hidden`` plus ``forward`` on the exact kernels (``hidden`` not yet normalised:
+        ``parts.qkv`` does it; ``parts.o`` adds the residual): every query sees the keys of
+        positions ``0..positions[row, t]`` of its row's slot."""
         assert not cache.shared_groups, "the deterministic forward reads prefixes copied into each slot"
         rows, query_len, _ = hidden.shape
         qkv = parts.qkv(hidden).view(rows, query_len, -1, self.head_dim)
@@ -183,7 +184,7 @@ class Attention(nn.Module):
         value = qkv[:, :, self.num_heads + self.num_kv_heads :].transpose(1, 2)
         key, value = cache.update(key, value, self.layer_idx)
         out = exact.attention(query, key, value, positions, self.scale)
-        return parts.o(out.view(rows, query_len, -1))
+        return parts.o(out.view(rows, query_len, -1), residual=hidden)
 
     def _attend_with_prefixes(
         self,
@@ -240,8 +241,8 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
     ) -> torch.Tensor:
         if self.exact is not None:
-            hidden = hidden + self.self_attn.forward_exact(self.exact, hidden, rope, positions, cache)
-            return hidden + self.exact.down(self.exact.gate_up(hidden))
+            hidden = self.self_attn.forward_exact(self.exact, hidden, rope, positions, cache)
+            return self.exact.down(self.exact.gate_up(hidden), residual=hidden)
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 

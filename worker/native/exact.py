@@ -175,14 +175,16 @@ def matmul(
     prologue: int = PROLOGUE_NONE,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    residual: torch.Tensor | None = None,
     out_float32: bool = False,
     scalar: bool = False,
 ) -> torch.Tensor:
-    """``prologue(x) @ W^T (+ bias)``: ``x`` ``[..., in]`` (``[..., 2 * in]`` for ``silu_mul``:
-    gate then up), bf16 or fp32; the result in ``x``'s dtype (or fp32)."""
+    """``residual + (prologue(x) @ W^T + bias)``, rounded once: ``x`` ``[..., in]`` (``[..., 2 *
+    in]`` for ``silu_mul``: gate then up), bf16 or fp32; the result (and ``residual``) in ``x``'s
+    dtype, or fp32."""
     return _ops().qlinear(
         x, prologue, norm_weight, eps, weight.data, weight.scales, weight.mins, weight.zero, weight.bits,
-        weight.out_features, weight.in_features, bias, out_float32, scalar,
+        weight.out_features, weight.in_features, bias, residual, out_float32, scalar,
     )  # fmt: skip
 
 
@@ -230,10 +232,10 @@ class ExactLinear(nn.Module):
         self.eps = eps
         self.out_float32 = out_float32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return matmul(
             x, self.packed, self.bias, prologue=self.prologue, norm_weight=self.norm_weight, eps=self.eps,
-            out_float32=self.out_float32,
+            residual=residual, out_float32=self.out_float32,
         )  # fmt: skip
 
     def dequantized(self) -> torch.Tensor:

@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -32,6 +33,13 @@ namespace relaylm_exact {
 
 constexpr int kGroup = 32;  // inputs per quantization group (weights and activations)
 constexpr int kLanes = 16;
+// Work (multiply-adds) below which a parallel region costs more than it saves: a one-row step's
+// small matmuls run on one thread, the head and batches on all. Never changes a result's bits.
+constexpr int64_t kMinParallelWork = int64_t{1} << 21;
+
+static inline int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, work_per_item));
+}
 
 // ---------------------------------------------------------------- shared scalar definitions
 
@@ -319,8 +327,15 @@ static inline int weight_value(const PackedWeight& w, int64_t block, int64_t g, 
   return quad < 4 ? (packed & 0x0F) : (packed >> 4);
 }
 
+// After the groups: + bias, then residual + (in that order), then one rounding to the output dtype.
+struct Epilogue {
+  const float* bias;     // null: none
+  const void* residual;  // [rows, n_out] in the output's dtype; null: none
+};
+
 static void matmul_block_scalar(const PackedWeight& w, int64_t block, const RowQuant* rows, int64_t num_rows,
-                                int64_t n_out, const float* bias, void* out, int64_t out_stride, bool out_bf16) {
+                                int64_t n_out, Epilogue epi, void* out, int64_t out_stride, bool out_bf16) {
+  const float* bias = epi.bias;
   for (int64_t r = 0; r < num_rows; ++r) {
     for (int lane = 0; lane < kLanes; ++lane) {
       int64_t n = block * kLanes + lane;
@@ -336,6 +351,7 @@ static void matmul_block_scalar(const PackedWeight& w, int64_t block, const RowQ
                                w.mins ? scale_at(w.mins, s, w.half) : 0.0f, w.mins != nullptr);
       }
       if (bias) acc = acc + bias[n];
+      if (epi.residual) acc = load_as_float(epi.residual, r * out_stride + n, out_bf16) + acc;
       store_from_float(out, r * out_stride + n, acc, out_bf16);
     }
   }
@@ -393,8 +409,9 @@ AVX512_TARGET static inline void matmul_rows_avx512(const PackedWeight& w, int64
 }
 
 AVX512_TARGET static void matmul_block_avx512(const PackedWeight& w, int64_t block, const RowQuant* rows,
-                                              int64_t num_rows, int64_t n_out, const float* bias, void* out,
+                                              int64_t num_rows, int64_t n_out, Epilogue epi, void* out,
                                               int64_t out_stride, bool out_bf16) {
+  const float* bias = epi.bias;
   int64_t n0 = block * kLanes;
   __mmask16 m = tail_mask(n_out - n0);
   __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + n0) : _mm512_setzero_ps();
@@ -404,6 +421,7 @@ AVX512_TARGET static void matmul_block_avx512(const PackedWeight& w, int64_t blo
     matmul_rows_avx512<4>(w, block, rows + r, acc);
     for (int i = 0; i < 4; ++i) {
       __m512 v = bias ? _mm512_add_ps(acc[i], b) : acc[i];
+      if (epi.residual) v = _mm512_add_ps(v_load_as_float(epi.residual, (r + i) * out_stride + n0, out_bf16, m), v);
       v_store_from_float(out, (r + i) * out_stride + n0, v, out_bf16, m);
     }
   }
@@ -411,6 +429,7 @@ AVX512_TARGET static void matmul_block_avx512(const PackedWeight& w, int64_t blo
     __m512 acc[1] = {_mm512_setzero_ps()};
     matmul_rows_avx512<1>(w, block, rows + r, acc);
     __m512 v = bias ? _mm512_add_ps(acc[0], b) : acc[0];
+    if (epi.residual) v = _mm512_add_ps(v_load_as_float(epi.residual, r * out_stride + n0, out_bf16, m), v);
     v_store_from_float(out, r * out_stride + n0, v, out_bf16, m);
   }
 }
@@ -420,7 +439,7 @@ AVX512_TARGET static void matmul_block_avx512(const PackedWeight& w, int64_t blo
 at::Tensor qlinear(const at::Tensor& x_in, int64_t prologue, const c10::optional<at::Tensor>& norm_weight, double eps,
                    const at::Tensor& weight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                    int64_t zero, int64_t bits, int64_t n_out, int64_t k_in, const c10::optional<at::Tensor>& bias,
-                   bool out_float32, bool scalar) {
+                   const c10::optional<at::Tensor>& residual, bool out_float32, bool scalar) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "qlinear: bf16 or fp32 input");
   TORCH_CHECK(bits == 4 || bits == 8, "qlinear: 4 or 8 bits");
   auto kind = static_cast<Prologue>(prologue);
@@ -463,7 +482,7 @@ at::Tensor qlinear(const at::Tensor& x_in, int64_t prologue, const c10::optional
   const char* xp = static_cast<const char*>(x.data_ptr());
   const int64_t row_bytes = width * x.element_size();
   // Each row by one thread, each output block by one thread: the split never reaches a sum.
-  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_rows, grain_for(width * 16), [&](int64_t begin, int64_t end) {
     std::vector<float> act(groups * kGroup);
     for (int64_t r = begin; r < end; ++r) {
 #ifdef RELAYLM_X86
@@ -482,17 +501,24 @@ at::Tensor qlinear(const at::Tensor& x_in, int64_t prologue, const c10::optional
   TORCH_CHECK(!mins.has_value() || mins_c.scalar_type() == scales_c.scalar_type(), "qlinear: mins as scales");
   PackedWeight w{weight_c.data_ptr<uint8_t>(), scales_c.data_ptr(), mins.has_value() ? mins_c.data_ptr() : nullptr,
                  half, static_cast<int>(zero), static_cast<int>(bits), groups};
-  const float* bias_ptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  at::Tensor residual_c;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->scalar_type() == out.scalar_type() && residual->numel() == num_rows * n_out,
+                "qlinear: the residual has the output's dtype and shape");
+    residual_c = residual->reshape({num_rows, n_out}).contiguous();
+  }
+  Epilogue epi{bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
+               residual.has_value() ? residual_c.data_ptr() : nullptr};
   void* out_ptr = out.data_ptr();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, grain_for(kLanes * groups * kGroup * num_rows), [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
 #ifdef RELAYLM_X86
       if (vec) {
-        matmul_block_avx512(w, block, rows.data(), num_rows, n_out, bias_ptr, out_ptr, n_out, out_bf16);
+        matmul_block_avx512(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
         continue;
       }
 #endif
-      matmul_block_scalar(w, block, rows.data(), num_rows, n_out, bias_ptr, out_ptr, n_out, out_bf16);
+      matmul_block_scalar(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
     }
   });
   return out.view(out_shape);
@@ -710,7 +736,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t per_kv = group * queries;  // query lanes of one kv head: (t, head in group)
   const int64_t chunks = (per_kv + kLanes - 1) / kLanes;
   const bool vec = use_avx512(scalar);
-  at::parallel_for(0, rows * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t work = keys * dim * std::min<int64_t>(per_kv, kLanes) * 2;
+  at::parallel_for(0, rows * kv_heads * chunks, grain_for(work), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       int64_t chunk = item % chunks, kvh = (item / chunks) % kv_heads, row = item / chunks / kv_heads;
       int64_t lane_head[kLanes], lane_t[kLanes];
@@ -854,7 +881,7 @@ bool has_avx512() { return use_avx512(false); }
 TORCH_LIBRARY(relaylm_exact, m) {
   m.def(
       "qlinear(Tensor x, int prologue, Tensor? norm_weight, float eps, Tensor weight, Tensor scales, Tensor? mins, "
-      "int zero, int bits, int n_out, int k_in, Tensor? bias, bool out_float32, bool scalar) -> Tensor");
+      "int zero, int bits, int n_out, int k_in, Tensor? bias, Tensor? residual, bool out_float32, bool scalar) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale, bool scalar) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool scalar) -> Tensor");
   m.def("exp_shifted(Tensor x, bool scalar) -> Tensor");
