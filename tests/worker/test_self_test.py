@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.support.models import tiny_random_llama_dir
+from tests.support.qwen import tiny_random_qwen3_dir
 from worker.engine.self_test import check_determinism
 from worker.model_loader import LoadedModel, load_model
 from worker.native import exact
@@ -75,3 +76,12 @@ def test_quantization_none_keeps_the_library_kernels_and_says_the_promise_is_off
         loaded = load_model(str(folder), tmp_path, "cpu", "bfloat16", 512, "native", "none", deterministic=True)
     assert isinstance(loaded.model, NativeCausalLM) and not loaded.model.deterministic
     assert "--deterministic on cannot hold" in caplog.text and "--quantization none" in caplog.text
+
+
+def test_a_qwen3_model_with_query_and_key_norms_passes_it(tmp_path: Path) -> None:
+    """Qwen3's per-head q/k RMSNorms run on the exact kernels too."""
+    loaded = load_model(str(tiny_random_qwen3_dir()), tmp_path, "cpu", "bfloat16", 512, "native", "auto", True)
+    assert isinstance(loaded.model, NativeCausalLM) and loaded.model.deterministic
+    assert loaded.model.model.layers[0].self_attn.q_norm is not None
+    result = check_determinism(loaded.model, loaded.tokenizer, loaded.eos_token_ids, {1, 2})
+    assert result.holds, result.detail
