@@ -580,6 +580,8 @@ static void attend_scalar(const AttnArgs& a, int64_t row, int64_t head, int64_t 
 // Up to 16 queries of one kv head, one per lane; every lane runs attend_scalar's operations.
 AVX512_TARGET static void attend_avx512(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
                                         const int64_t* lane_t, int count) {
+  // Queries in the lanes; keys and values converted to fp32 once; scores four keys at a time and
+  // the weighted values eight dimensions at a time, so the accumulators stay in registers.
   const int64_t dim = a.dim;
   std::vector<float> qt(dim * kLanes, 0.0f);  // [dim][lane]
   alignas(64) int32_t last_lane[kLanes];
@@ -595,36 +597,66 @@ AVX512_TARGET static void attend_avx512(const AttnArgs& a, int64_t row, int64_t 
       last_lane[i] = -1;
     }
   }
-  __m512i last_v = _mm512_load_si512(last_lane);
-  std::vector<float> scores((last + 1) * kLanes);
-  std::vector<float> key(dim);
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t j = 0; j <= last; ++j) {
-    __mmask16 visible = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j)), last_v, _MM_CMPINT_LE);
-    int64_t ko = row * a.k_row + kvh * a.k_head + j * a.k_pos;
-    for (int64_t d = 0; d < dim; ++d) key[d] = elem(a.k, ko + d, a.bf16);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; ++d)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt.data() + d * kLanes), _mm512_set1_ps(key[d]), acc);
-    __m512 s = _mm512_mul_ps(acc, scale);
-    _mm512_storeu_ps(scores.data() + j * kLanes, s);
-    m = _mm512_mask_max_ps(m, visible, m, s);
-  }
-  std::vector<float> o(dim * kLanes, 0.0f);  // [dim][lane]
-  __m512 l = _mm512_setzero_ps();
-  for (int64_t j = 0; j <= last; ++j) {
-    __mmask16 visible = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j)), last_v, _MM_CMPINT_LE);
-    __m512 p = v_exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j * kLanes), m));
-    l = _mm512_mask_add_ps(l, visible, l, p);
-    int64_t vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
-    for (int64_t d = 0; d < dim; ++d) {
-      float* od = o.data() + d * kLanes;
-      _mm512_storeu_ps(od, _mm512_mask3_fmadd_ps(p, _mm512_set1_ps(elem(a.v, vo + d, a.bf16)), _mm512_loadu_ps(od), visible));
+  const __m512i last_v = _mm512_load_si512(last_lane);
+  const int64_t keys = last + 1, padded = (keys + 3) / 4 * 4;
+  // Reused per thread: a long prompt's items would otherwise allocate and clear megabytes each.
+  thread_local std::vector<float> kf, vf, scores;
+  if (static_cast<int64_t>(kf.size()) < padded * dim) kf.resize(padded * dim);
+  if (static_cast<int64_t>(vf.size()) < keys * dim) vf.resize(keys * dim);
+  if (static_cast<int64_t>(scores.size()) < padded * kLanes) scores.resize(padded * kLanes);
+  std::fill(kf.begin() + keys * dim, kf.begin() + padded * dim, 0.0f);
+  for (int64_t j = 0; j < keys; ++j) {
+    const int64_t ko = row * a.k_row + kvh * a.k_head + j * a.k_pos, vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      __mmask16 m = tail_mask(dim - d);
+      _mm512_mask_storeu_ps(kf.data() + j * dim + d, m, v_load_as_float(a.k, ko + d, a.bf16, m));
+      _mm512_mask_storeu_ps(vf.data() + j * dim + d, m, v_load_as_float(a.v, vo + d, a.bf16, m));
     }
+  }
+  const __m512 scale = _mm512_set1_ps(a.scale);  // scores: [key][lane]
+  for (int64_t j = 0; j < padded; j += 4) {
+    const float *k0 = kf.data() + j * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      __m512 q = _mm512_loadu_ps(qt.data() + d * kLanes);
+      s0 = _mm512_fmadd_ps(q, _mm512_set1_ps(k0[d]), s0);
+      s1 = _mm512_fmadd_ps(q, _mm512_set1_ps(k1[d]), s1);
+      s2 = _mm512_fmadd_ps(q, _mm512_set1_ps(k2[d]), s2);
+      s3 = _mm512_fmadd_ps(q, _mm512_set1_ps(k3[d]), s3);
+    }
+    _mm512_storeu_ps(scores.data() + (j + 0) * kLanes, _mm512_mul_ps(s0, scale));
+    _mm512_storeu_ps(scores.data() + (j + 1) * kLanes, _mm512_mul_ps(s1, scale));
+    _mm512_storeu_ps(scores.data() + (j + 2) * kLanes, _mm512_mul_ps(s2, scale));
+    _mm512_storeu_ps(scores.data() + (j + 3) * kLanes, _mm512_mul_ps(s3, scale));
+  }
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < keys; ++j) {
+    __mmask16 visible = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j)), last_v, _MM_CMPINT_LE);
+    m = _mm512_mask_max_ps(m, visible, m, _mm512_loadu_ps(scores.data() + j * kLanes));
+  }
+  thread_local std::vector<__mmask16> visible;
+  if (static_cast<int64_t>(visible.size()) < keys) visible.resize(keys);
+  __m512 l = _mm512_setzero_ps();
+  for (int64_t j = 0; j < keys; ++j) {  // weights in place of the scores, and their sum in key order
+    visible[j] = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j)), last_v, _MM_CMPINT_LE);
+    __m512 p = v_exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j * kLanes), m));
+    _mm512_storeu_ps(scores.data() + j * kLanes, p);
+    l = _mm512_mask_add_ps(l, visible[j], l, p);
   }
   alignas(64) float lsum[kLanes];
   _mm512_store_ps(lsum, l);
+  std::vector<float> o(dim * kLanes);  // [dim][lane]
+  for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+    const int64_t width = dim - d0 < 8 ? dim - d0 : 8;
+    __m512 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m512 p = _mm512_loadu_ps(scores.data() + j * kLanes);
+      const float* v = vf.data() + j * dim + d0;
+      for (int i = 0; i < width; ++i) acc[i] = _mm512_mask3_fmadd_ps(p, _mm512_set1_ps(v[i]), acc[i], visible[j]);
+    }
+    for (int i = 0; i < width; ++i) _mm512_storeu_ps(o.data() + (d0 + i) * kLanes, acc[i]);
+  }
   for (int i = 0; i < count; ++i) {
     int64_t oo = ((row * a.queries + lane_t[i]) * a.heads + lane_head[i]) * dim;
     for (int64_t d = 0; d < dim; ++d) store_from_float(a.out, oo + d, o[d * kLanes + i] / lsum[i], a.bf16);
