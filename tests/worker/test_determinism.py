@@ -1,7 +1,9 @@
 """A request's text depends on the request alone (``--deterministic on``, bf16, the native
 forward): for random prompts, seeds and settings, the tokens generated alone equal those
 generated in random batches of 2-16 that join at random steps, with prefill chunked at random
-boundaries, and after prefix-cache hits, for greedy and seeded sampling.
+boundaries and the thread count changed at random steps, and after prefix-cache hits, for
+greedy and seeded sampling (top-k and top-p among them: the sampler's sums are in the property
+too).
 
 A tiny random-weight model is the honest tool here: what is checked is the engine's numerics
 and scheduling, not the model's text. The default model is checked the same way, once, in
@@ -38,11 +40,13 @@ class Spec:
     seed: int | None  # None: greedy
     temperature: float
     top_k: int
+    top_p: float = 1.0
 
     def request(self, request_id: str) -> EngineRequest:
         params = SamplingParams(
             temperature=self.temperature if self.seed is not None else 0.0,
             top_k=self.top_k if self.seed is not None else 0,
+            top_p=self.top_p if self.seed is not None else 1.0,
             seed=self.seed,
             max_new_tokens=self.max_new_tokens,
             ignore_eos=True,
@@ -74,17 +78,29 @@ def _engine(loaded: LoadedModel, step_tokens: int, prefix_cache: bool) -> tuple[
     return engine, collector
 
 
-def _run(engine: LLMEngine, collector: Collector, arrivals: list[tuple[int, EngineRequest]]) -> None:
-    """Submit each request at its step, then step until all are done."""
+def _run(
+    engine: LLMEngine,
+    collector: Collector,
+    arrivals: list[tuple[int, EngineRequest]],
+    threads_at: dict[int, int] | None = None,
+) -> None:
+    """Submit each request at its step, then step until all are done; ``threads_at``: the torch
+    thread count to switch to before a step (as a worker's host pool does while it serves)."""
     pending = sorted(arrivals, key=lambda arrival: arrival[0])
     ids = {request.request_id for _, request in arrivals}
     step = 0
-    while not ids <= collector.done:
-        while pending and pending[0][0] <= step:
-            engine.submit(pending.pop(0)[1])
-        engine.run_step()
-        step += 1
-        assert step < 5000, "requests did not finish"
+    threads = torch.get_num_threads()
+    try:
+        while not ids <= collector.done:
+            while pending and pending[0][0] <= step:
+                engine.submit(pending.pop(0)[1])
+            if threads_at and step in threads_at:
+                torch.set_num_threads(threads_at[step])
+            engine.run_step()
+            step += 1
+            assert step < 5000, "requests did not finish"
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _alone(loaded: LoadedModel, specs: list[Spec]) -> list[list[int]]:
@@ -106,6 +122,7 @@ specs = st.builds(
     seed=st.one_of(st.none(), st.integers(0, 2**32)),
     temperature=st.sampled_from([0.6, 1.0, 1.5]),
     top_k=st.sampled_from([0, 0, 40]),
+    top_p=st.sampled_from([1.0, 1.0, 0.9]),
 )
 
 
@@ -133,7 +150,10 @@ def test_a_request_gets_the_same_tokens_alone_batched_chunked_and_after_a_cache_
     arrivals = [
         (data.draw(st.integers(0, 30), label=f"arrival of {i}"), spec.request(f"r{i}")) for i, spec in enumerate(batch)
     ]
-    _run(engine, collector, arrivals)
+    # The thread count changes while they run, as a worker's does when a neighbour turns busy.
+    switches = data.draw(st.lists(st.integers(0, 60), max_size=3), label="steps where the thread count changes")
+    threads_at = {step: 1 + (i + torch.get_num_threads()) % 2 for i, step in enumerate(sorted(switches))}
+    _run(engine, collector, arrivals, threads_at)
     for i, (_, request) in enumerate(arrivals):
         assert request.sequences[0].output_token_ids == expected[i], f"request {i} ({batch[i]})"
 
