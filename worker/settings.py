@@ -90,7 +90,7 @@ class WorkerSettings(CommonSettings):
             "relaylm's exact kernels (integer matmuls on quantized weights, norms, attention and sampling sums "
             "in an order fixed in code; CPU, native forward, a C++ compiler at first start), checked by a "
             "self-test at load; cached prefixes copied rather than held once; no compiled one-row step. "
-            "off: the library's fastest kernels for each batch size."
+            "off: the library's bf16 kernels (bf16 numerics, prefixes held once, the compiled one-row step)."
         ),
     )
     compile_decode: Literal["auto", "off"] = Field(
