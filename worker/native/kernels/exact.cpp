@@ -35,7 +35,7 @@ constexpr int kGroup = 32;  // inputs per quantization group (weights and activa
 constexpr int kLanes = 16;
 // Work (multiply-adds) below which a parallel region costs more than it saves: a one-row step's
 // small matmuls run on one thread, the head and batches on all. Never changes a result's bits.
-constexpr int64_t kMinParallelWork = int64_t{1} << 21;
+constexpr int64_t kMinParallelWork = int64_t{1} << 16;
 
 static inline int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, work_per_item));
