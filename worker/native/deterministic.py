@@ -11,7 +11,6 @@ holds its weights once, in the bytes the kernels read.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +19,6 @@ from worker.native import exact
 from worker.native.decoder import ExactParts, JoinedLinear, Linear, NativeCausalLM, RMSNorm
 from worker.native.gguf_groups import Int4Groups
 from worker.native.quantize import Quantization, quantize_int4_groups
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

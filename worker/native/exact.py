@@ -238,10 +238,6 @@ class ExactLinear(nn.Module):
             residual=residual, out_float32=self.out_float32,
         )  # fmt: skip
 
-    def dequantized(self) -> torch.Tensor:
-        """The float weight ``[out, in]`` the packed values stand for (tests and diagnostics)."""
-        return unpack(self.packed)
-
 
 def unpack(weight: PackedWeight) -> torch.Tensor:
     """``pack``'s inverse, as float32 ``[out, in]`` weights."""
