@@ -15,8 +15,10 @@ from api.batches.runner import BatchRunner
 from api.batches.store import BatchStore
 from api.draining import DrainingMiddleware, drain_gate
 from api.errors import install_error_handlers
+from api.jobs.background_results import BackgroundResults
 from api.jobs.detached import DetachedJobs
 from api.jobs.event_router import EventRouter
+from api.jobs.housekeeping import Housekeeper
 from api.jobs.submitter import JobSubmitter
 from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
@@ -80,8 +82,13 @@ def create_app(settings: ApiSettings) -> FastAPI:
         batches = app.state.batches = BatchStore(redis, keys, settings.result_retention_s)
         app.state.responses = ResponseStore(redis, keys, settings.result_retention_s)
         jobs = app.state.detached_jobs = DetachedJobs(lifecycle, settings.reasoning_field)
+        results = app.state.background_results = BackgroundResults(lifecycle, jobs, settings.result_retention_s)
+        housekeeper = Housekeeper(
+            lifecycle, directory, results, settings.batch_poll_interval_s, settings.no_worker_grace_s
+        )
         runner = BatchRunner(redis, keys, settings, batches, files, jobs, submitter, directory, lifecycle)
         app.state.batch_runner = runner
+        housekeeper.start()
         runner.start()
         logger.info("API ready; Redis at %s", redacted(settings.redis_url))
         try:
@@ -90,6 +97,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
             # uvicorn waits for the lifespan's end without a limit: each step gets one, so a
             # SIGTERM always ends the process even if a Redis socket will not close.
             await _bounded_step("batch runner stop", runner.stop())
+            await _bounded_step("housekeeper stop", housekeeper.stop())
             await _bounded_step("event router stop", router.stop())
             await _bounded_step("Redis close", redis.aclose())
 

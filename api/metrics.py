@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from api.jobs.worker_directory import WorkerDirectory
-
 _LATENCY_BUCKETS_S = (
     0.005,
     0.01,
@@ -84,28 +82,6 @@ class Metrics:
             worker_labels,
             registry=r,
         )
-
-    async def refresh_workers(self, directory: WorkerDirectory) -> None:
-        """Copy the registry into the gauges (workers that died disappear from the labels)."""
-        for gauge in (
-            self.running,
-            self.waiting,
-            self.kv_usage,
-            self.prefix_hit_rate,
-            self.queue_depth,
-            self.live_workers,
-        ):
-            gauge.clear()
-        for record in await directory.model_records():
-            workers = await directory.live_workers(record.model)
-            self.live_workers.labels(record.model).set(len(workers))
-            self.queue_depth.labels(record.model).set(await directory.queue_depth(record.model))
-            for worker in workers:
-                labels = (record.model, worker.worker_id)
-                self.running.labels(*labels).set(worker.num_running)
-                self.waiting.labels(*labels).set(worker.num_waiting)
-                self.kv_usage.labels(*labels).set(worker.kv_cache_usage)
-                self.prefix_hit_rate.labels(*labels).set(worker.prefix_cache_hit_rate)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -80,7 +80,10 @@ class ApiSettings(CommonSettings):
         default=256, ge=1, description="Lines of one batch queued or running at once (the rest wait in Redis)."
     )
     batch_poll_interval_s: float = Field(
-        default=0.5, gt=0, description="How often an API process advances batches and collects background results."
+        default=0.5,
+        gt=0,
+        description="How often an API process advances batches and does its job housekeeping (requeues dead "
+        "workers' jobs, fails jobs left without a worker, collects background results).",
     )
     keep_alive_timeout_s: float = Field(
         default=75.0,

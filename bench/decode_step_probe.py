@@ -25,12 +25,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.quantization_bench import _Chunk
 from tests.support.models import default_model_dir
-from worker.engine.kv_cache import KVCacheLayout, SlotKVCache
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import PrefillChunk
-from worker.model_loader import load_model
+from worker.models.loader import load_model
 from worker.native.compiled_decode import CompiledDecode, CompileState, build_package, package_key
 from worker.native.decoder import NativeCausalLM
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache
 from worker.settings import default_cache_dir
 
 RESULTS = Path(__file__).parent / "results" / "decode_step.json"

@@ -20,7 +20,7 @@ from bench.in_process import InProcessEngine
 from bench.serving_bench import alternated, bodies_for, engine_config
 from bench.workload import distinct_prompts
 from worker.engine.builder import default_max_num_batched_tokens
-from worker.model_loader import LoadedModel, load_model
+from worker.models.loader import LoadedModel, load_model
 from worker.settings import DEFAULT_MODEL, WorkerSettings
 
 RESULTS = Path(__file__).parent / "results" / "determinism_cost.json"

@@ -20,10 +20,10 @@ import torch
 
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import RequestOutput
-from worker.engine.kv_cache import KVCacheLayout
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import EngineRequest
-from worker.model_loader import LoadedModel, load_model
+from worker.models.loader import LoadedModel, load_model
+from worker.native.kv_cache import KVCacheLayout
 from worker.settings import DEFAULT_MODEL, WorkerSettings
 
 RESULTS = Path(__file__).parent / "results"

@@ -18,7 +18,7 @@ import torch
 from bench.in_process import InProcessEngine
 from tests.support.models import tiny_random_llama_dir
 from worker.engine.builder import EngineConfig
-from worker.model_loader import load_model
+from worker.models.loader import load_model
 
 OUTPUT_TOKENS = 64
 

@@ -4,7 +4,7 @@ Each request goes through the same preparation as in a worker (checks, chat temp
 tokenization, sampling parameters) inside the timed region, so the difference to the full
 stack is exactly API + Redis queue + pub/sub. The loop runs on this (main) thread, the thread
 that already ran the baseline: torch work on a second thread would run slower (see
-worker/engine_thread.py).
+worker/service/engine_thread.py).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from __future__ import annotations
 import threading
 import time
 
+from api.wire.openai.chat_request import ChatCompletionRequest
 from bench.stats import StreamTrace
 from shared.events import DeltaEvent, EndEvent
-from shared.openai.chat_request import ChatCompletionRequest
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine, RequestOutput
-from worker.model_loader import LoadedModel
-from worker.params import RequestLimits
-from worker.request_prep import prepare_chat
-from worker.tooling import resolve_tooling
+from worker.models.loader import LoadedModel
+from worker.requests.params import RequestLimits
+from worker.requests.prepare import prepare_chat
+from worker.requests.tooling import resolve_tooling
 
 
 class _TraceSink:

@@ -30,7 +30,7 @@ from bench.serving_bench import RESULTS, bodies_for, engine_config, kv_layout_sc
 from bench.stats import summarize
 from bench.workload import chat_prompt_ids, distinct_prompts
 from worker.engine.builder import EngineConfig, default_max_num_batched_tokens
-from worker.model_loader import load_model
+from worker.models.loader import load_model
 from worker.settings import DEFAULT_MODEL, WorkerSettings
 
 

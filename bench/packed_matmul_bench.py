@@ -36,7 +36,7 @@ def _microseconds(run: Callable[[], torch.Tensor], seconds: float = 0.3) -> floa
 
 
 def main() -> None:
-    torch.set_num_threads(1)  # as a worker's step runs per thread (worker/engine_thread.py)
+    torch.set_num_threads(1)  # as a worker's step runs per thread (worker/service/engine_thread.py)
     torch.manual_seed(0)
     rows_out = []
     with torch.inference_mode():

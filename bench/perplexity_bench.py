@@ -41,15 +41,15 @@ import torch
 
 from bench.quantization_bench import PASSAGE, _Chunk, perplexity
 from tests.support.models import test_cache_dir
-from worker.engine.kv_cache import KVCacheLayout, SlotKVCache
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import PrefillChunk
-from worker.model_loader import LoadedModel, ensure_default_model, ensure_named_model, load_model, locate_default_gguf
-from worker.named_models import NAMED_MODELS
+from worker.models.loader import LoadedModel, ensure_default_model, ensure_named_model, load_model, locate_default_gguf
+from worker.models.named import NAMED_MODELS
 from worker.native.decoder import NativeCausalLM
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache
 from worker.native.quantize import Int4Linear, Int8Linear
+from worker.service.thread_budget import available_cores
 from worker.settings import DEFAULT_MODEL
-from worker.thread_budget import available_cores
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "perplexity.json"

@@ -26,14 +26,16 @@ import torch
 from bench.in_process import InProcessEngine
 from tests.support.models import default_model_dir
 from worker.engine.builder import EngineConfig
-from worker.engine.kv_cache import KVCacheLayout, SlotKVCache
 from worker.engine.model_runner import ModelRunner
+from worker.engine.prefix_state import PrefixLink
 from worker.engine.scheduler import PrefillChunk
-from worker.model_loader import LoadedModel, load_model
+from worker.engine.scheduling_state import SchedulingState
+from worker.models.loader import LoadedModel, load_model
 from worker.native.decoder import NativeCausalLM
 from worker.native.gguf_groups import load_groups
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache
 from worker.native.quantize import Int4Linear, Int8Linear, quantize
-from worker.thread_budget import available_cores
+from worker.service.thread_budget import available_cores
 
 RESULTS = Path(__file__).parent / "results" / "quantization.json"
 
@@ -81,8 +83,8 @@ class _Chunk:
     """The one prompt chunk the runner is given: the passage's first token, in slot 0."""
 
     def __init__(self, token_ids: list[int]) -> None:
-        self.prefill_token_ids, self.slot = token_ids, 0
-        self.shared_prefix, self.shared_len = None, 0  # it reads no shared prompt prefix
+        self.sched = SchedulingState(token_ids, slot=0)
+        self.prefix = PrefixLink()  # it reads no shared prompt prefix
 
 
 def perplexity(loaded: LoadedModel, text: str) -> float:

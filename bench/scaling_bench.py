@@ -5,7 +5,7 @@ in fp32 with the 49k vocabulary) leave room for a second worker:
 
 1. throughput as a user gets it by default: one worker, then two started the same way on the same
    host (no pinning, no thread flags: the workers pool on the shared cores, see
-   ``worker.host_pool``), at ``DEFAULT_STREAMS`` concurrent streams in all, in alternating rounds;
+   ``worker.service.host_pool``), at ``DEFAULT_STREAMS`` concurrent streams in all, in alternating rounds;
    adding the second worker must not cost more than a tenth of the throughput (on 2 cores there
    is nothing to gain, only to lose);
 2. throughput with one worker, then two, each pinned to its own core (``taskset``, one torch
@@ -46,7 +46,7 @@ from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.support.models import tiny_random_llama_dir
 from tests.support.sse_load import run_load
 from tests.support.stack import Process, Stack
-from worker.host_pool import REFRESH_INTERVAL_S
+from worker.service.host_pool import REFRESH_INTERVAL_S
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "tiny-random"

@@ -34,7 +34,7 @@ from bench.workload import chat_prompt_ids, distinct_prompts
 from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.support.stack import Stack
 from worker.engine.builder import EngineConfig, default_max_num_batched_tokens
-from worker.model_loader import load_model, locate_default_gguf
+from worker.models.loader import load_model, locate_default_gguf
 from worker.settings import DEFAULT_MODEL, WorkerSettings
 
 RESULTS = Path(__file__).parent / "results"

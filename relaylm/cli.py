@@ -29,7 +29,7 @@ def api(**values: Any) -> None:
 @settings_options(WorkerSettings)
 def worker(**values: Any) -> None:
     """Run one worker for one model (needs Redis)."""
-    from worker.main import run_worker
+    from worker.service.main import run_worker
 
     run_worker(build_settings(WorkerSettings, values))
 

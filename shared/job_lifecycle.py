@@ -169,8 +169,12 @@ if f[5] and f[5] ~= '' then redis.call('ZREM', f[5], ARGV[5]) end
 return 1
 """
 
-_FIELDS = ("state", "model", "queue", "epoch", "attempts", "next_seq", "owner", "owner_instance", "tenant")
+_FIELDS = (
+    "state", "model", "queue", "epoch", "attempts", "next_seq", "owner", "owner_instance", "tenant", "updated_ms",
+)  # fmt: skip
 _END_RETRIES = 8
+# What a job stopped on purpose reports to whoever reads its log.
+_STOP_KINDS = {JobState.CANCELLED: ErrorKind.CANCELLED, JobState.EXPIRED: ErrorKind.EXPIRED}
 
 
 def _writing_keys(keys: RedisKeys, job_id: str) -> list[str]:
@@ -196,6 +200,8 @@ class JobRecord:
     owner: str | None
     owner_instance: str | None
     tenant: str | None = None  # the keyed hash of the API key that created it; None without keys
+    # Its last transition or write; for a queued job, when it entered its queue (created or requeued).
+    updated_ms: int = 0
 
     @classmethod
     def parse(cls, job_id: str, values: list[bytes | None]) -> JobRecord | None:
@@ -213,6 +219,7 @@ class JobRecord:
             owner=text[6],
             owner_instance=text[7],
             tenant=text[8] or None,
+            updated_ms=int(text[9] or 0),
         )
 
 
@@ -325,6 +332,10 @@ class JobLifecycle:
     async def running_job_ids(self) -> list[str]:
         return texts(await self._redis.zrange(self._keys.running_jobs(), 0, -1))
 
+    async def queued_job_ids(self, queue: str) -> list[str]:
+        """The jobs waiting in ``queue``, first to be claimed first."""
+        return texts(await self._redis.zrange(queue, 0, -1))
+
     async def read_log(self, job_id: str, from_seq: int = 0) -> list[AnyEvent]:
         """The job's events from ``from_seq`` on, in order."""
         entries = await self._redis.xrange(self._keys.job_event_log(job_id), min=f"{max(from_seq, 0)}-1")
@@ -374,11 +385,15 @@ class JobLifecycle:
                 return bool(replied == 1)
         return False
 
-    async def cancel(self, job_ids: list[str], message: str = "cancelled by the client") -> None:
-        """Cancel queued and running jobs; their workers learn it at their next write, or at once
-        from the cancel channel."""
+    async def cancel(
+        self, job_ids: list[str], message: str = "cancelled by the client", state: JobState = JobState.CANCELLED
+    ) -> None:
+        """Stop queued and running jobs that nobody wants any more: ``CANCELLED`` (a client or a
+        batch cancel) or ``EXPIRED`` (their batch's window closed). Their workers learn it at once
+        from the cancel channel, so they free the capacity now rather than at their next write."""
+        kind = _STOP_KINDS[state]
         for job_id in job_ids:
-            await self.end(job_id, JobState.CANCELLED, ErrorKind.CANCELLED, message)
+            await self.end(job_id, state, kind, message)
         if job_ids:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for job_id in job_ids:
@@ -388,6 +403,18 @@ class JobLifecycle:
     async def track_background(self, job_id: str) -> None:
         """A background job: API processes collect its result once it ends."""
         await self._redis.sadd(self._keys.background_jobs(), job_id)
+
+    async def background_job_ids(self) -> list[str]:
+        """The background jobs whose result is not kept yet, in id order."""
+        return sorted(texts(await self._redis.smembers(self._keys.background_jobs())))
+
+    async def untrack_background(self, job_id: str, result: str, retention_s: int) -> None:
+        """Keep a background job's ``result`` (JSON) for ``retention_s`` and stop collecting it,
+        in one transaction: a result is never dropped from the set before it is stored."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._keys.job_result(job_id), result, ex=retention_s)
+            pipe.srem(self._keys.background_jobs(), job_id)
+            await pipe.execute()
 
     async def delete(self, job_id: str) -> None:
         """Forget an ended job (its record and log)."""

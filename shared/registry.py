@@ -38,6 +38,10 @@ class WorkerInfo(BaseModel):
     sizes_own_threads: bool = Field(
         default=False, description="Its torch threads follow its share of the cores (no --num-threads given)."
     )
+    contract_version: int = Field(
+        default=1,
+        description="The newest job contract version it reads (records without it are of version-1 workers).",
+    )
     deterministic: bool = Field(
         default=False,
         description="A request's text depends on the request alone here: exact kernels, and its load-time "

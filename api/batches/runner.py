@@ -1,9 +1,9 @@
-"""Moves batches through their statuses and collects background jobs' results. Every API process
-runs one; all state is in Redis and a per-batch lock picks who advances a batch, so an API
-restart (or a second API process) carries on where the last one stopped.
+"""Moves batches through their statuses. Every API process runs one; all state is in Redis and a
+per-batch lock picks who advances a batch, so an API restart (or a second API process) carries
+on where the last one stopped.
 
 One advance of an in-progress batch: collect the lines whose jobs ended (a dead worker's line is
-requeued by the reaper, up to ``JOB_MAX_ATTEMPTS``), then enqueue pending lines up to
+requeued by the housekeeper, up to ``JOB_MAX_ATTEMPTS``), then enqueue pending lines up to
 ``batch_concurrency`` on the model's batch queue, which workers serve only with capacity to
 spare. Each line's result is written once (``HSETNX`` by line number), so a line appears exactly
 once in the output or the error file whatever restarts happen. A line that cannot become a job
@@ -13,11 +13,9 @@ gets an error record; a batch whose advance fails does not hold up the others.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -25,15 +23,12 @@ from redis.exceptions import RedisError
 from api.batches.file_store import FileStore
 from api.batches.store import BatchStore, StoredBatch
 from api.batches.validation import REQUEST_MODELS, validate_batch_file
+from api.jobs.build import BATCH, make_job
 from api.jobs.detached import DetachedJobs, JobOutcome
-from api.jobs.reaper import JobReaper
-from api.jobs.submitter import JobSubmitter, make_job, without_unknown_fields
+from api.jobs.submitter import JobSubmitter
 from api.jobs.worker_directory import WorkerDirectory
 from api.settings import ApiSettings
-from shared.errors import ErrorKind, RelayError
-from shared.job_lifecycle import JobLifecycle, JobState
-from shared.jobs import AnyJob, decode_job
-from shared.openai.batch import (
+from api.wire.openai.batch import (
     BatchError,
     BatchErrors,
     BatchInputLine,
@@ -41,8 +36,10 @@ from shared.openai.batch import (
     BatchRequestCounts,
     BatchResponseData,
 )
+from shared.errors import RelayError
+from shared.job_lifecycle import JobLifecycle, JobState
 from shared.redis_keys import RedisKeys
-from shared.redis_replies import as_bytes, as_text, texts
+from shared.redis_replies import as_bytes, as_text
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +73,6 @@ class BatchRunner:
     ) -> None:
         self._redis = redis
         self._lifecycle = lifecycle
-        self._reaper = JobReaper(lifecycle, directory)
         self._keys = keys
         self._settings = settings
         self._batches = batches
@@ -105,8 +101,6 @@ class BatchRunner:
             await asyncio.sleep(self._settings.batch_poll_interval_s)
 
     async def tick(self) -> None:
-        await self._reaper.reap()
-        await self.collect_background()
         for batch_id in await self._batches.active_ids():
             try:
                 async with self._batches.locked(batch_id) as held:
@@ -120,30 +114,6 @@ class BatchRunner:
                     await self._fail_broken(batch_id)
                 except Exception:
                     logger.exception("batch %s: could not mark it failed", batch_id)
-
-    # -- background jobs ----------------------------------------------------------------------
-    async def collect_background(self) -> None:
-        job_ids = sorted(texts(await self._redis.smembers(self._keys.background_jobs())))
-        states = await self._jobs.states(job_ids)
-        for job_id, state in states.items():
-            if state.outcome is not None:
-                status = "completed" if state.outcome.succeeded else "failed"
-                payload = await self._lifecycle.payload(job_id)
-                job = decode_job(payload) if payload is not None else None
-                tenant = job.tenant if job is not None else None
-                await self.store_result(job_id, status, state.outcome, _summary(job_id, job, status), tenant)
-
-    async def store_result(
-        self, job_id: str, status: str, outcome: JobOutcome | None, summary: dict[str, Any], tenant: str | None
-    ) -> None:
-        """Keep a background job's result (or its failure or cancellation) for the retention
-        period, with the owner id of the key that submitted it."""
-        record: dict[str, Any] = {"status": status, "summary": summary, "tenant": tenant}
-        record["body"] = outcome.body if outcome else None
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._keys.job_result(job_id), json.dumps(record), ex=self._settings.result_retention_s)
-            pipe.srem(self._keys.background_jobs(), job_id)
-            await pipe.execute()
 
     # -- batches --------------------------------------------------------------------------------
     async def advance(self, batch_id: str) -> StoredBatch:
@@ -227,12 +197,7 @@ class BatchRunner:
             request_id = f"{batch.id}-{number}"
             try:
                 request = REQUEST_MODELS[batch.endpoint].model_validate(line.body)
-                job = make_job(
-                    without_unknown_fields(request, request_id),  # type: ignore[arg-type]
-                    request_id,
-                    is_ours=True,
-                    tenant=batch.owner,
-                )
+                job = make_job(request, request_id, is_ours=True, tenant=batch.owner, priority=BATCH)  # type: ignore[arg-type]
                 # An advance cut short after the enqueue but before the trim must not run a line twice.
                 if await self._lifecycle.record(job.job_id) is None:
                     await self._submitter.submit_detached(job, queue=queue, limit=_NO_LIMIT)
@@ -275,8 +240,7 @@ class BatchRunner:
         if code is None:
             await self._lifecycle.cancel(list(running.values()), "the batch was cancelled")
         else:
-            for job_id in running.values():
-                await self._lifecycle.end(job_id, JobState.EXPIRED, ErrorKind.EXPIRED, message)
+            await self._lifecycle.cancel(list(running.values()), message, JobState.EXPIRED)
         pending = [int(raw) for raw in await self._redis.lrange(keys.batch_pending(batch.id), 0, -1)]
         if code is not None:
             lines = await self._lines(batch, [*running, *pending])
@@ -342,9 +306,3 @@ class BatchRunner:
             batch.cancelled_at = now
         await self._batches.save(batch)
         logger.info("batch %s %s: %s", batch.id, status, batch.request_counts.model_dump())
-
-
-def _summary(job_id: str, job: AnyJob | None, status: str) -> dict[str, Any]:
-    if job is None:
-        return {"id": job_id, "object": "chat.completion", "status": status, "choices": []}
-    return {"id": job_id, "object": "chat.completion", "created": job.created, "model": job.request.model}

@@ -13,8 +13,8 @@ from redis.asyncio import Redis
 
 from api.batches.record_index import page_of_records
 from api.tenancy import SINGLE_USER, Tenant
+from api.wire.openai.batch import TERMINAL_STATUSES, Batch
 from shared.errors import ErrorKind, RelayError
-from shared.openai.batch import TERMINAL_STATUSES, Batch
 from shared.redis_keys import RedisKeys
 from shared.redis_replies import texts
 

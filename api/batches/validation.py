@@ -11,10 +11,10 @@ from pydantic import BaseModel, ValidationError
 
 from api.errors import validation_message
 from api.middleware import lone_surrogate_path
-from shared.openai.batch import BatchError, BatchInputLine
-from shared.openai.chat_request import ChatCompletionRequest
-from shared.openai.completion_request import CompletionRequest
-from shared.openai.embeddings import EmbeddingRequest
+from api.wire.openai.batch import BatchError, BatchInputLine
+from api.wire.openai.chat_request import ChatCompletionRequest
+from api.wire.openai.completion_request import CompletionRequest
+from api.wire.openai.embeddings import EmbeddingRequest
 
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,

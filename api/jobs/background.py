@@ -6,10 +6,11 @@ from typing import Any
 
 from fastapi import Request
 
-from api.jobs.submitter import JobSubmitter, make_job, without_unknown_fields
+from api.jobs.build import make_job
+from api.jobs.submitter import JobSubmitter, log_unknown_fields
 from api.tenancy import tenant_of
-from shared.jobs import ChatJob
-from shared.openai.chat_request import ChatCompletionRequest
+from api.wire.openai.chat_request import ChatCompletionRequest
+from shared.contract import ChatJob
 
 
 def job_summary(job: ChatJob, status: str) -> dict[str, Any]:
@@ -18,7 +19,7 @@ def job_summary(job: ChatJob, status: str) -> dict[str, Any]:
         "id": job.job_id,
         "object": "chat.completion",
         "created": job.created,
-        "model": job.request.model,
+        "model": job.model,
         "status": status,
         "choices": [],
     }
@@ -28,7 +29,8 @@ async def submit_background(submitter: JobSubmitter, body: ChatCompletionRequest
     await submitter.directory.require_live_worker(body.model)
     request_id = request.state.request_id
     tenant = tenant_of(request).owner
-    job = make_job(without_unknown_fields(body, request_id), request_id, request.state.request_id_is_ours, tenant)
+    log_unknown_fields(body, request_id)
+    job = make_job(body, request_id, request.state.request_id_is_ours, tenant)
     assert isinstance(job, ChatJob)
     await submitter.submit_detached(job, track=True)
     return job_summary(job, "queued")

@@ -1,8 +1,8 @@
 """Jobs no client streams (background jobs, batch lines): how each one stands, and its response
 once it has ended, read from its event log with the same collectors a live request uses.
 
-A detached job whose worker died is requeued by the :class:`~api.jobs.reaper.JobReaper`, like
-any job. Any API process may look at any job: everything read is in Redis.
+A detached job whose worker died is settled by the :class:`~api.jobs.housekeeping.Housekeeper`,
+like any job. Any API process may look at any job: everything read is in Redis.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from api.jobs.stream import EventReplay
 from api.render.chat import collect_completion
 from api.render.completion import collect_text_completion
 from api.render.embeddings import collect_embeddings
+from api.render.events import EventReplay
+from shared.contract import AnyJob, ChatJob, CompletionJob, EmbeddingJob, decode_job
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle, JobState
-from shared.jobs import AnyJob, ChatJob, CompletionJob, EmbeddingJob, decode_job
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ async def render_outcome(job: AnyJob, replay: EventReplay, reasoning_field: str)
         elif isinstance(job, CompletionJob):
             response = await collect_text_completion(replay)
         elif isinstance(job, EmbeddingJob):
-            response = await collect_embeddings(replay, job.request.encoding_format)
+            response = await collect_embeddings(replay, job.delivery.encoding_format)
         else:  # a token count is never detached: only its own route submits one
             raise RelayError(ErrorKind.INVALID_REQUEST, f"job `{job.job_id}` has no response to collect")
     except RelayError as exc:

@@ -2,10 +2,10 @@
 
 Events arrive on the job's pub/sub channel; the job's log fills whatever pub/sub dropped. While
 the job is silent the stream looks at the job's record once per ``liveness_check_interval_s``:
-events the log has and the channel lost are read back; a job whose owner died is requeued (or
-failed, after too many attempts or with no worker left) through the lifecycle, whose final event
-then arrives like any other. The stream raises :class:`RelayError` only for what it alone can
-see (unreadable bytes on the channel, a gap the log cannot fill, Redis not answering); callers
+events the log has and the channel lost are read back; a job no worker serves is settled by the
+orphan rule the housekeeper applies too (:mod:`api.jobs.orphans`), and when that ends the job its
+final event arrives like any other. The stream raises :class:`RelayError` only for what it alone
+can see (unreadable bytes on the channel, a gap the log cannot fill, Redis not answering); callers
 render it once, as an HTTP error before the response started or as a stream error event after.
 """
 
@@ -13,23 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from api.jobs.event_router import EventRouter
+from api.jobs.orphans import Orphans
 from api.jobs.worker_directory import WorkerDirectory
 from api.request_metrics import RequestObserver
 from api.settings import ApiSettings
+from shared.contract import AnyJob
 from shared.errors import ErrorKind, RelayError
 from shared.events import AnyEvent, EndEvent, ErrorEvent, StartEvent, decode_event
-from shared.job_lifecycle import JobLifecycle, JobRecord, JobState
-from shared.jobs import AnyJob
+from shared.job_lifecycle import JobLifecycle
 from shared.log_setup import log_transition
 
 logger = logging.getLogger(__name__)
@@ -45,39 +44,6 @@ class StreamServices:
     router: EventRouter
     directory: WorkerDirectory
     settings: ApiSettings
-
-
-class JobEvents(Protocol):
-    """What the response collectors read: a live :class:`JobStream`, or an :class:`EventReplay`."""
-
-    job: AnyJob
-
-    @property
-    def job_id(self) -> str: ...
-
-    def events(self) -> AsyncIterator[AnyEvent]: ...
-
-    async def close(self) -> None: ...
-
-
-class EventReplay:
-    """A finished job's events read back from its log, for collecting a background job's or a
-    batch line's response with the same code as a live non-stream request."""
-
-    def __init__(self, job: AnyJob, events: list[AnyEvent]) -> None:
-        self.job = job
-        self._events = events
-
-    @property
-    def job_id(self) -> str:
-        return self.job.job_id
-
-    async def events(self) -> AsyncIterator[AnyEvent]:
-        for event in self._events:
-            yield event
-
-    async def close(self) -> None:
-        """Nothing to release: the job is over."""
 
 
 class ClientDisconnected(Exception):
@@ -110,7 +76,7 @@ class JobStream:
         self._observer = observer
         self._expected_seq = next_seq
         self._backlog: deque[AnyEvent] = deque(e for e in backlog or [] if e.seq >= next_seq)
-        self._silent_since = time.monotonic()
+        self._orphans = Orphans(services.lifecycle, services.directory, services.settings.no_worker_grace_s)
         self.is_finished = is_finished
         self._closed = False
         # The first event, still awaited when a stream started before its job did (see first_event).
@@ -177,7 +143,7 @@ class JobStream:
             await asyncio.gather(self._pending_first, return_exceptions=True)
         services = self._services
         await services.router.unsubscribe(services.lifecycle.keys.job_events_channel(self.job_id))
-        if self.is_finished or self.job.request.resumable or keep_job:
+        if self.is_finished or self.job.delivery.resumable or keep_job:
             return
         self._log("cancelled")
         try:
@@ -197,7 +163,6 @@ class JobStream:
                 await self._fill_gap(event)
                 continue
             self._expected_seq += 1
-            self._silent_since = time.monotonic()
             if isinstance(event, EndEvent | ErrorEvent):
                 self.is_finished = True
             return event
@@ -257,46 +222,5 @@ class JobStream:
                 return missed
         if record.state.is_final:
             raise RelayError(ErrorKind.INTERNAL, f"job {self.job_id} ended ({record.state}) but its log lost the end")
-        if record.state is JobState.RUNNING:
-            await self._check_owner(record)
-        else:
-            await self._check_queued(record)
+        await self._orphans.settle(record, "stream", self.job.request_id)
         return []
-
-    async def _check_owner(self, record: JobRecord) -> None:
-        directory, lifecycle = self._services.directory, self._services.lifecycle
-        if await directory.is_owner_alive(record):
-            return
-        self._silent_since = time.monotonic()
-        if not await directory.has_live_worker(record.model):
-            message = (
-                f"worker {record.owner} stopped responding while serving job {self.job_id}, and no other "
-                f"worker serves model `{record.model}`"
-            )
-            await lifecycle.end(self.job_id, JobState.FAILED, ErrorKind.WORKER_LOST, message, record.epoch)
-            return
-        outcome = await lifecycle.reclaim(record)
-        if outcome is JobState.QUEUED:
-            self._log("requeued", dead_worker=record.owner, attempt=record.attempts + 1)
-
-    async def _check_queued(self, record: JobRecord) -> None:
-        if await self._services.directory.has_live_worker(record.model):
-            self._silent_since = time.monotonic()
-            return
-        if time.monotonic() - self._silent_since < self._services.settings.no_worker_grace_s:
-            return
-        if record.attempts:
-            # It ran and went back to its queue: its worker died (the reaper may requeue it before
-            # this stream notices) or handed it back while stopping. For the client, as in
-            # _check_owner, the worker serving it was lost.
-            kind = ErrorKind.WORKER_LOST
-            message = (
-                f"the worker serving job {self.job_id} stopped before it finished, and no live worker serves "
-                f"model `{record.model}` any more"
-            )
-        else:
-            kind = ErrorKind.NO_LIVE_WORKER
-            message = f"No live worker serves model `{record.model}` any more; the request could not finish."
-        ended = await self._services.lifecycle.end(self.job_id, JobState.FAILED, kind, message, param="model")
-        if not ended:
-            self._silent_since = time.monotonic()

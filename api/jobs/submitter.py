@@ -10,6 +10,7 @@ import uuid
 
 from redis.exceptions import RedisError
 
+from api.jobs.build import SubmittableRequest, make_job
 from api.jobs.event_router import EventRouter
 from api.jobs.stream import DisconnectProbe, JobStream, StreamServices
 from api.jobs.worker_directory import WorkerDirectory
@@ -17,59 +18,13 @@ from api.metrics import Metrics
 from api.request_metrics import RequestObserver
 from api.settings import ApiSettings
 from api.tenancy import SINGLE_USER, Tenant
+from shared.contract import AnyJob, ChatJob, CompletionJob, EmbeddingJob, Generate, TokenizeJob, decode_job, encode_job
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle, JobQueueFull, TenantJobsFull
-from shared.jobs import (
-    AnyJob,
-    ChatJob,
-    CompletionJob,
-    EmbeddingJob,
-    TokenizeJob,
-    TokenizeRequest,
-    decode_job,
-    encode_job,
-)
 from shared.log_setup import log_transition
-from shared.openai.chat_request import ChatCompletionRequest
-from shared.openai.completion_request import CompletionRequest
-from shared.openai.embeddings import EmbeddingRequest
 from shared.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
-
-
-SubmittableRequest = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
-
-
-def without_unknown_fields(request: SubmittableRequest, request_id: str) -> SubmittableRequest:
-    """Unknown fields are accepted (clients send vendor extras), logged by name, and dropped."""
-    if not request.model_extra:
-        return request
-    logger.info("request %s: ignoring unknown fields %s", request_id, sorted(request.model_extra))
-    return type(request).model_validate(request.model_dump(exclude=set(request.model_extra)))
-
-
-def job_id_for(prefix: str, request_id: str, is_ours: bool) -> str:
-    """The response id carries the request id; a client's id gets a suffix, since clients may reuse ids."""
-    return f"{prefix}-{request_id}" if is_ours else f"{prefix}-{request_id}-{uuid.uuid4().hex[:8]}"
-
-
-def make_job(request: SubmittableRequest, request_id: str, is_ours: bool, tenant: str | None = None) -> AnyJob:
-    """``tenant``: the owner id of the API key that asks (None without keys)."""
-    created = int(time.time())
-    if isinstance(request, ChatCompletionRequest):
-        job_id = job_id_for("chatcmpl", request_id, is_ours)
-        return ChatJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
-    if isinstance(request, CompletionRequest):
-        job_id = job_id_for("cmpl", request_id, is_ours)
-        return CompletionJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
-    job_id = job_id_for("embd", request_id, is_ours)
-    return EmbeddingJob(job_id=job_id, request_id=request_id, created=created, tenant=tenant, request=request)
-
-
-def tokenize_job(request: TokenizeRequest, request_id: str, is_ours: bool, tenant: str | None) -> TokenizeJob:
-    job_id = job_id_for("tok", request_id, is_ours)
-    return TokenizeJob(job_id=job_id, request_id=request_id, created=int(time.time()), tenant=tenant, request=request)
 
 
 class JobSubmitter:
@@ -102,7 +57,7 @@ class JobSubmitter:
         and counts towards the key's limit of open requests."""
         arrived_at = time.monotonic()
         request_id = request_id or uuid.uuid4().hex
-        request = without_unknown_fields(request, request_id)
+        log_unknown_fields(request, request_id)
         job = make_job(request, request_id, request_id_is_ours, tenant)
         return await self.submit_job(job, is_disconnected, arrived_at)
 
@@ -111,9 +66,9 @@ class JobSubmitter:
     ) -> JobStream:
         """Enqueue a job the caller built and stream its events (its model's workers checked first)."""
         arrived_at = time.monotonic() if arrived_at is None else arrived_at
-        request, request_id, job_id = job.request, job.request_id, job.job_id
-        await self.directory.require_live_worker(request.model)
-        observer = RequestObserver(self.metrics, request.model, arrived_at)
+        request_id, job_id, model = job.request_id, job.job_id, job.model
+        await self.directory.require_live_worker(model)
+        observer = RequestObserver(self.metrics, model, arrived_at)
         channel = self.keys.job_events_channel(job_id)
         queue = await self.router.subscribe(channel)
         try:
@@ -122,9 +77,9 @@ class JobSubmitter:
             await self.router.unsubscribe(channel)
             raise
         observer.enqueued()
-        log_transition(logger, "queued", job_id, request_id, model=request.model, stream=request.stream)
+        log_transition(logger, "queued", job_id, request_id, model=model, stream=job.delivery.stream)
         if self.settings.log_prompts:
-            logger.info("job %s prompt: %s", job_id, _prompt_for_log(request))
+            logger.info("job %s prompt: %s", job_id, _prompt_for_log(job))
         return JobStream(self._services, job, queue, is_disconnected, observer)
 
     async def submit_detached(
@@ -145,19 +100,20 @@ class JobSubmitter:
                 await self.lifecycle.track_background(job.job_id)
             except RedisError as exc:
                 raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
-        log_transition(logger, "queued", job.job_id, job.request_id, model=job.request.model, detached=True)
+        log_transition(logger, "queued", job.job_id, job.request_id, model=job.model, detached=True)
 
     async def _enqueue(
         self, job: AnyJob, queue: str | None = None, limit: int | None = None, counts_for_key: bool = True
     ) -> None:
         """Store the request and queue the job in one round trip, under the queue's limit and its
         key's (batch lines have their own per-key limit, checked when the batch is created)."""
-        model = job.request.model
+        model = job.model
         queue = queue or self.keys.queue(model)
         limit = self.settings.max_pending_per_model if limit is None else limit
         key_limit = self.settings.max_requests_per_key if counts_for_key else 0
         try:
-            await self.lifecycle.create(job.job_id, encode_job(job), model, queue, limit, job.tenant, key_limit)
+            payload = encode_job(job, await self.directory.readable_version(model))
+            await self.lifecycle.create(job.job_id, payload, model, queue, limit, job.tenant, key_limit)
         except RedisError as exc:
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
         except TenantJobsFull:
@@ -208,17 +164,33 @@ class JobSubmitter:
             await self.router.unsubscribe(channel)
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
         log_transition(logger, "reattached", job_id, job.request_id, last_event_id=last_event_id)
-        observer = RequestObserver(self.metrics, job.request.model, time.monotonic())
+        observer = RequestObserver(self.metrics, job.model, time.monotonic())
         return JobStream(
             self._services, job, queue, None, observer, backlog=backlog, next_seq=next_seq, is_finished=has_everything
         )
 
 
-def _prompt_for_log(request: SubmittableRequest | TokenizeRequest) -> str:
-    if isinstance(request, TokenizeRequest):
-        return _prompt_for_log(request.chat) if request.chat else json.dumps(request.prompt or request.tokens)
-    if isinstance(request, ChatCompletionRequest):
-        return json.dumps([m.model_dump(exclude_none=True) for m in request.messages], ensure_ascii=False)
-    if isinstance(request, CompletionRequest):
-        return json.dumps(request.prompt, ensure_ascii=False)
-    return json.dumps(request.input, ensure_ascii=False)
+def log_unknown_fields(request: SubmittableRequest, request_id: str) -> None:
+    """Unknown fields are accepted (clients send vendor extras), logged by name, and never read."""
+    if request.model_extra:
+        logger.info("request %s: ignoring unknown fields %s", request_id, sorted(request.model_extra))
+
+
+def _prompt_for_log(job: AnyJob) -> str:
+    request = job.request
+    if isinstance(job, TokenizeJob):
+        tokenize = job.request
+        if tokenize.chat is not None:
+            return _messages_for_log(tokenize.chat)
+        return json.dumps(tokenize.prompt if tokenize.prompt is not None else tokenize.tokens, ensure_ascii=False)
+    if isinstance(job, ChatJob):
+        return _messages_for_log(job.request)
+    if isinstance(job, CompletionJob):
+        return json.dumps(job.request.prompts, ensure_ascii=False)
+    assert isinstance(job, EmbeddingJob)
+    return json.dumps(request.inputs, ensure_ascii=False)  # type: ignore[union-attr]
+
+
+def _messages_for_log(generate: Generate) -> str:
+    messages = [message.model_dump(exclude_defaults=True) for message in generate.messages or []]
+    return json.dumps(messages, ensure_ascii=False)

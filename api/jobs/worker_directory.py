@@ -8,6 +8,7 @@ import time
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from shared.contract import CONTRACT_VERSION
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobRecord
 from shared.redis_keys import MODEL_FORGET_AFTER_S, RedisKeys
@@ -26,6 +27,8 @@ class WorkerDirectory:
         # One registry read per model at a time: a burst of requests shares it instead of each
         # opening a Redis connection for the same answer.
         self._live_lookups: dict[str, asyncio.Task[bool]] = {}
+        # Model → the newest job contract version all its live workers read, from the last lookup.
+        self._readable_versions: dict[str, int] = {}
 
     async def live_workers(self, model: str) -> list[WorkerInfo]:
         ids = sorted(texts(await self._redis.smembers(self._keys.model_workers(model))))
@@ -80,7 +83,14 @@ class WorkerDirectory:
         workers = await self.live_workers(model)
         if workers:
             self._live_cache[model] = time.monotonic() + LIVE_ANSWER_REUSE_S
+            self._readable_versions[model] = min(min(w.contract_version for w in workers), CONTRACT_VERSION)
         return bool(workers)
+
+    async def readable_version(self, model: str) -> int:
+        """The job contract version to write for ``model``: the newest that every live worker of
+        it reads (older during a rolling upgrade), read with the liveness answer."""
+        await self.has_live_worker(model)
+        return self._readable_versions.get(model, CONTRACT_VERSION)
 
     async def require_live_worker(self, model: str) -> None:
         """404 for a model never served here, 503 for one whose workers are all gone."""

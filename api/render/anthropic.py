@@ -11,15 +11,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 from sse_starlette.sse import AppStatus
 
-from api.jobs.stream import JobStream
+from api.render.accumulator import ChoiceDelta, JobResult, OutputItem, collect, follow
+from api.render.events import LiveJobEvents
 from shared.errors import RelayError
-from shared.events import DeltaEvent, EndEvent, ErrorEvent, StartEvent
 
 logger = logging.getLogger(__name__)
 
@@ -44,127 +43,101 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return {"raw_arguments": arguments}
 
 
-@dataclass
-class _Block:
-    kind: str  # "thinking", "text" or "tool_use"
-    text: str = ""
-    tool_id: str = ""
-    name: str = ""
+class _MessageWriter:
+    """The message as its job's result says so far, in Anthropic's shape: choice 0's output
+    items are its content blocks, one for one, numbered by position."""
 
+    def __init__(self, stream: LiveJobEvents) -> None:
+        job = stream.job
+        self._id, self._model = message_id(job.job_id), job.request.model
+        # The start event, with the prompt's size, was read before answering.
+        self.result = JobResult(prompt_tokens=stream.prompt_tokens)
 
-@dataclass
-class _Message:
-    """What the events say so far: the blocks in order, the stop reason and usage."""
-
-    blocks: list[_Block] = field(default_factory=list)
-    tool_blocks: dict[int, int] = field(default_factory=dict)  # tool call index → block index
-    finish_reason: str | None = None
-    stop_sequence: str | None = None
-    input_tokens: int = 0
-    output_tokens: int = 0
+    def message(self) -> dict[str, Any]:
+        return {
+            "id": self._id,
+            "type": "message",
+            "role": "assistant",
+            "model": self._model,
+            "content": [_block(item) for item in self._items],
+            **self.stop(),
+            "usage": self.usage(),
+        }
 
     def stop(self) -> dict[str, Any]:
         """``stop_reason`` and ``stop_sequence``, as the message and its ``message_delta`` carry them."""
-        if self.stop_sequence is not None:
-            return {"stop_reason": "stop_sequence", "stop_sequence": self.stop_sequence}
-        return {"stop_reason": _STOP_REASONS.get(self.finish_reason, "end_turn"), "stop_sequence": None}
+        choice = self.result.choices[0]
+        if isinstance(choice.stop_reason, str):
+            return {"stop_reason": "stop_sequence", "stop_sequence": choice.stop_reason}
+        return {"stop_reason": _STOP_REASONS.get(choice.finish_reason, "end_turn"), "stop_sequence": None}
+
+    def usage(self) -> dict[str, int]:
+        return {"input_tokens": self.result.num_prompt_tokens, "output_tokens": self.result.num_completion_tokens}
+
+    @property
+    def _items(self) -> list[OutputItem]:
+        return self.result.choices[0].items
+
+    def events(self, added: ChoiceDelta) -> list[tuple[str, dict[str, Any]]]:
+        """The stream events a delta of choice 0 makes: a block that opens stops the one before
+        it, then each update's text arrives as a delta of its block."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        for update in added.items:
+            if update.is_new:
+                if update.closed_text is not None:
+                    out += self._stop_block(update.position - 1)
+                out.append(("content_block_start", {"index": update.position, "content_block": _start(update.item)}))
+            if update.text:
+                delta = _text_delta(update.item, update.text)
+                out.append(("content_block_delta", {"index": update.position, "delta": delta}))
+        return out
+
+    def close(self) -> list[tuple[str, dict[str, Any]]]:
+        """The events that stop the last block, if any."""
+        return self._stop_block(len(self._items) - 1) if self._items else []
+
+    def _stop_block(self, index: int) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        if self._items[index].kind == "reasoning":
+            out.append(("content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": ""}}))
+        out.append(("content_block_stop", {"index": index}))
+        return out
 
 
-def _message_object(job: Any, message: _Message) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
-    for block in message.blocks:
-        if block.kind == "thinking":
-            content.append({"type": "thinking", "thinking": block.text, "signature": ""})
-        elif block.kind == "text":
-            content.append({"type": "text", "text": block.text})
-        else:
-            content.append(
-                {"type": "tool_use", "id": block.tool_id, "name": block.name, "input": tool_input(block.text)}
-            )
-    return {
-        "id": message_id(job.job_id),
-        "type": "message",
-        "role": "assistant",
-        "model": job.request.model,
-        "content": content,
-        **message.stop(),
-        "usage": {"input_tokens": message.input_tokens, "output_tokens": message.output_tokens},
-    }
+def _tool_use_id(item: OutputItem) -> str:
+    return item.call_id or f"toolu_{item.call_index}"
 
 
-async def collect_message(stream: JobStream) -> dict[str, Any]:
-    """The non-stream answer; raises RelayError when the job failed. (The start event, with the
-    prompt's size, was read before answering: ``stream.prompt_tokens``.)"""
-    message = _Message(input_tokens=stream.prompt_tokens or 0)
-    try:
-        async for event in stream.events():
-            if isinstance(event, ErrorEvent):
-                raise event.to_exception()
-            _apply(message, event)
-    finally:
-        await stream.close()
-    return _message_object(stream.job, message)
+def _block(item: OutputItem) -> dict[str, Any]:
+    if item.kind == "reasoning":
+        return {"type": "thinking", "thinking": item.text, "signature": ""}
+    if item.kind == "text":
+        return {"type": "text", "text": item.text}
+    return {"type": "tool_use", "id": _tool_use_id(item), "name": item.name, "input": tool_input(item.text)}
 
 
-def _apply(message: _Message, event: object) -> list[tuple[str, dict[str, Any]]]:
-    """Fold one event into ``message``; returns the stream events it makes, in order."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    if isinstance(event, StartEvent):
-        message.input_tokens = event.prompt_tokens
-    elif isinstance(event, EndEvent):
-        message.input_tokens = event.usage.prompt_tokens
-        message.output_tokens = event.usage.completion_tokens
-    elif isinstance(event, DeltaEvent) and event.index == 0:
-        if event.reasoning:
-            out += _extend(message, "thinking", event.reasoning, "thinking_delta", "thinking")
-        if event.content:
-            out += _extend(message, "text", event.content, "text_delta", "text")
-        for call in event.tool_calls or []:
-            if call.id is not None or call.index not in message.tool_blocks:
-                out += _close_last(message)
-                message.blocks.append(
-                    _Block("tool_use", tool_id=call.id or f"toolu_{call.index}", name=call.name or "")
-                )
-                index = message.tool_blocks[call.index] = len(message.blocks) - 1
-                start = {"type": "tool_use", "id": message.blocks[index].tool_id, "name": message.blocks[index].name}
-                out.append(("content_block_start", {"index": index, "content_block": {**start, "input": {}}}))
-            index = message.tool_blocks[call.index]
-            if call.arguments:
-                message.blocks[index].text += call.arguments
-                delta = {"type": "input_json_delta", "partial_json": call.arguments}
-                out.append(("content_block_delta", {"index": index, "delta": delta}))
-        if event.finish_reason is not None:
-            message.finish_reason = event.finish_reason
-        if isinstance(event.stop_reason, str):
-            message.stop_sequence = event.stop_reason
-    return out
+def _start(item: OutputItem) -> dict[str, Any]:
+    """A block as it opens, empty; a thinking block's (empty) signature arrives before it stops."""
+    if item.kind == "reasoning":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    if item.kind == "text":
+        return {"type": "text", "text": ""}
+    return {"type": "tool_use", "id": _tool_use_id(item), "name": item.name, "input": {}}
 
 
-def _extend(message: _Message, kind: str, text: str, delta_type: str, field_name: str) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    if not message.blocks or message.blocks[-1].kind != kind:
-        out += _close_last(message)
-        message.blocks.append(_Block(kind))
-        start: dict[str, Any] = {"type": kind, field_name: ""}
-        if kind == "thinking":
-            start["signature"] = ""
-        out.append(("content_block_start", {"index": len(message.blocks) - 1, "content_block": start}))
-    message.blocks[-1].text += text
-    out.append(
-        ("content_block_delta", {"index": len(message.blocks) - 1, "delta": {"type": delta_type, field_name: text}})
-    )
-    return out
+def _text_delta(item: OutputItem, text: str) -> dict[str, Any]:
+    if item.kind == "reasoning":
+        return {"type": "thinking_delta", "thinking": text}
+    if item.kind == "text":
+        return {"type": "text_delta", "text": text}
+    return {"type": "input_json_delta", "partial_json": text}
 
 
-def _close_last(message: _Message) -> list[tuple[str, Any]]:
-    if not message.blocks:
-        return []
-    index = len(message.blocks) - 1
-    out: list[tuple[str, Any]] = []
-    if message.blocks[index].kind == "thinking":
-        out.append(("content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": ""}}))
-    out.append(("content_block_stop", {"index": index}))
-    return out
+async def collect_message(stream: LiveJobEvents) -> dict[str, Any]:
+    """The non-stream answer; raises RelayError when the job failed."""
+    writer = _MessageWriter(stream)
+    await collect(stream, writer.result)
+    return writer.message()
 
 
 def _sse(name: str, data: dict[str, Any]) -> dict[str, str]:
@@ -172,25 +145,21 @@ def _sse(name: str, data: dict[str, Any]) -> dict[str, str]:
     return {"event": name, "data": json.dumps({"type": name, **data}, ensure_ascii=False)}
 
 
-async def message_events(stream: JobStream) -> AsyncIterator[dict[str, str]]:
+async def message_events(stream: LiveJobEvents) -> AsyncIterator[dict[str, str]]:
     """The SSE body. A failure becomes an ``error`` event, which the SDK raises; a client that
     disconnects cancels this generator, and the job with it."""
-    message = _Message(input_tokens=stream.prompt_tokens or 0)
-    start = _message_object(stream.job, message)
-    start.update(stop_reason=None, usage={"input_tokens": message.input_tokens, "output_tokens": 0})
+    writer = _MessageWriter(stream)
+    start = writer.message()
+    start.update(stop_reason=None, usage={"input_tokens": writer.result.num_prompt_tokens, "output_tokens": 0})
     yield _sse("message_start", {"message": start})
     try:
-        async for event in stream.events():
-            if isinstance(event, ErrorEvent):
-                yield _sse("error", {"error": event.to_exception().to_anthropic_body()["error"]})
-                return
-            for name, data in _apply(message, event):
-                yield _sse(name, data)
-        for name, data in _close_last(message):
+        async for _, added in follow(stream, writer.result):
+            if added is not None and added.index == 0:
+                for name, data in writer.events(added):
+                    yield _sse(name, data)
+        for name, data in writer.close():
             yield _sse(name, data)
-        stop = message.stop()
-        usage = {"input_tokens": message.input_tokens, "output_tokens": message.output_tokens}
-        yield _sse("message_delta", {"delta": stop, "usage": usage})
+        yield _sse("message_delta", {"delta": writer.stop(), "usage": writer.usage()})
         yield _sse("message_stop", {})
     except RelayError as exc:
         yield _sse("error", {"error": exc.to_anthropic_body()["error"]})

@@ -9,11 +9,10 @@ import anyio
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from sse_starlette.sse import AppStatus
 
-from api.jobs.stream import JobStream
+from api.render.accumulator import ChoiceDelta, JobFailed, JobResult, follow
+from api.render.events import JobEvents, LiveJobEvents
 from api.settings import ApiSettings
-from shared.errors import RelayError
-from shared.events import DeltaEvent, EndEvent, ErrorEvent, UsageCounts
-from shared.openai.chat_response import (
+from api.wire.openai.chat_response import (
     ChatCompletionChunk,
     ChoiceLogprobs,
     ChunkChoice,
@@ -25,6 +24,8 @@ from shared.openai.chat_response import (
     TopLogprobEntry,
     Usage,
 )
+from shared.errors import RelayError
+from shared.events import EndEvent, TokenLogprob, ToolCallDelta, UsageCounts
 
 DONE = "[DONE]"
 
@@ -52,11 +53,13 @@ def to_usage(counts: UsageCounts) -> Usage:
     )
 
 
-def _error_data(error: RelayError) -> str:
-    return json.dumps(error.to_body())
+def error_chunk(error: RelayError) -> dict[str, str]:
+    """The one chunk a failure becomes; a job's own error event keeps its id like any event."""
+    data = json.dumps(error.to_body())
+    return {"id": str(error.seq), "data": data} if isinstance(error, JobFailed) else {"data": data}
 
 
-def logprob_entries(event: DeltaEvent) -> list[LogprobEntry]:
+def logprob_entries(logprobs: list[TokenLogprob]) -> list[LogprobEntry]:
     def utf8(token: str) -> list[int]:
         return list(token.encode("utf-8", errors="replace"))
 
@@ -67,13 +70,13 @@ def logprob_entries(event: DeltaEvent) -> list[LogprobEntry]:
             bytes=utf8(entry.token),
             top_logprobs=[TopLogprobEntry(token=t.token, logprob=t.logprob, bytes=utf8(t.token)) for t in entry.top],
         )
-        for entry in event.logprobs or []
+        for entry in logprobs
     ]
 
 
-def delta_tool_calls(event: DeltaEvent) -> list[DeltaToolCall] | None:
+def delta_tool_calls(fragments: list[ToolCallDelta] | None) -> list[DeltaToolCall] | None:
     """OpenAI's rules: ``id``, ``type`` and ``name`` only on a call's first fragment."""
-    if not event.tool_calls:
+    if not fragments:
         return None
     return [
         DeltaToolCall(
@@ -82,16 +85,17 @@ def delta_tool_calls(event: DeltaEvent) -> list[DeltaToolCall] | None:
             type="function" if call.id is not None else None,
             function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
         )
-        for call in event.tool_calls
+        for call in fragments
     ]
 
 
 class ChunkWriter:
     """Builds chunks that all share the job's ``id``, ``created`` and ``model``."""
 
-    def __init__(self, stream: JobStream, reasoning_field: str) -> None:
+    def __init__(self, stream: JobEvents, reasoning_field: str) -> None:
         job = stream.job
         self._id, self._created, self._model = job.job_id, job.created, job.request.model
+        self.num_choices = job.n
         self._reasoning_field = reasoning_field
 
     def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> str:
@@ -102,17 +106,17 @@ class ChunkWriter:
     def role(self, index: int) -> str:
         return self.chunk([ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
 
-    def delta(self, event: DeltaEvent) -> str:
-        delta = DeltaMessage(content=event.content, tool_calls=delta_tool_calls(event))
-        if event.reasoning:
-            setattr(delta, self._reasoning_field, event.reasoning)
-        logprobs = ChoiceLogprobs(content=logprob_entries(event)) if event.logprobs else None
+    def delta(self, added: ChoiceDelta) -> str:
+        delta = DeltaMessage(content=added.content, tool_calls=delta_tool_calls(added.tool_calls))
+        if added.reasoning:
+            setattr(delta, self._reasoning_field, added.reasoning)
+        logprobs = ChoiceLogprobs(content=logprob_entries(added.logprobs)) if added.logprobs else None
         choice = ChunkChoice(
-            index=event.index,
+            index=added.index,
             delta=delta,
             logprobs=logprobs,
-            finish_reason=event.finish_reason,
-            stop_reason=event.stop_reason,
+            finish_reason=added.finish_reason,
+            stop_reason=added.stop_reason,
         )
         return self.chunk([choice])
 
@@ -128,7 +132,7 @@ def sse_response(chunks: AsyncIterator[dict[str, str]], settings: ApiSettings) -
 
 
 async def sse_chunks(
-    stream: JobStream, include_usage: bool, reasoning_field: str, send_role: bool = True
+    stream: LiveJobEvents, include_usage: bool, reasoning_field: str, send_role: bool = True
 ) -> AsyncIterator[dict[str, str]]:
     """The SSE body after the start event: role chunks, deltas, optional usage, ``[DONE]``.
 
@@ -139,17 +143,15 @@ async def sse_chunks(
     try:
         # SSE ids are the job's event sequence numbers (the start event is 0), so a client can
         # check that nothing was lost or repeated.
-        for index in range(stream.job.request.n if send_role else 0):
+        for index in range(writer.num_choices if send_role else 0):
             yield {"id": "0", "data": writer.role(index)}
-        async for event in stream.events():
-            if isinstance(event, DeltaEvent):
-                yield {"id": str(event.seq), "data": writer.delta(event)}
+        async for event, added in follow(stream, JobResult(writer.num_choices)):
+            if added is not None:
+                yield {"id": str(event.seq), "data": writer.delta(added)}
             elif isinstance(event, EndEvent) and include_usage:
                 yield {"id": str(event.seq), "data": writer.chunk([], to_usage(event.usage))}
-            elif isinstance(event, ErrorEvent):
-                yield {"id": str(event.seq), "data": _error_data(event.to_exception())}
     except RelayError as exc:
-        yield {"data": _error_data(exc)}
+        yield error_chunk(exc)
     finally:
         # anyio cancels every await in a cancelled scope; the cleanup must still reach Redis.
         with anyio.CancelScope(shield=True):

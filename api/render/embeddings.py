@@ -1,14 +1,14 @@
-"""Job events → one OpenAI ``embedding`` list response."""
+"""An embedding job's result → one OpenAI ``embedding`` list response."""
 
 from __future__ import annotations
 
 import base64
 from array import array
 
-from api.jobs.stream import JobEvents
+from api.render.accumulator import JobResult, collect
+from api.render.events import JobEvents
+from api.wire.openai.embeddings import Embedding, EmbeddingResponse, EmbeddingUsage
 from shared.errors import ErrorKind, RelayError
-from shared.events import EmbeddingsEvent, EndEvent, ErrorEvent
-from shared.openai.embeddings import Embedding, EmbeddingResponse, EmbeddingUsage
 
 
 def _base64_float32(vector: list[float]) -> str:
@@ -20,20 +20,12 @@ def _base64_float32(vector: list[float]) -> str:
 
 
 async def collect_embeddings(stream: JobEvents, encoding_format: str) -> EmbeddingResponse:
-    vectors: list[list[float]] | None = None
-    usage: EmbeddingUsage | None = None
-    try:
-        async for event in stream.events():
-            if isinstance(event, EmbeddingsEvent):
-                vectors = event.vectors
-            elif isinstance(event, EndEvent):
-                usage = EmbeddingUsage(prompt_tokens=event.usage.prompt_tokens, total_tokens=event.usage.prompt_tokens)
-            elif isinstance(event, ErrorEvent):
-                raise event.to_exception()
-    finally:
-        await stream.close()
-    if vectors is None or usage is None:
+    model = stream.job.request.model
+    result = await collect(stream, JobResult(num_choices=0))
+    if result.embeddings is None or result.usage is None:
         raise RelayError(ErrorKind.INTERNAL, f"job {stream.job_id} ended without embeddings")
+    num_prompt_tokens = result.usage.prompt_tokens
+    usage = EmbeddingUsage(prompt_tokens=num_prompt_tokens, total_tokens=num_prompt_tokens)
     encode = _base64_float32 if encoding_format == "base64" else list
-    data = [Embedding(index=index, embedding=encode(vector)) for index, vector in enumerate(vectors)]
-    return EmbeddingResponse(data=data, model=stream.job.request.model, usage=usage)
+    data = [Embedding(index=index, embedding=encode(vector)) for index, vector in enumerate(result.embeddings)]
+    return EmbeddingResponse(data=data, model=model, usage=usage)

@@ -12,36 +12,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.jobs.stream import JobEvents
+from api.render.accumulator import ChoiceDelta, JobResult, OutputItem, collect, follow
+from api.render.events import JobEvents
+from api.wire.responses import ResponsesRequest
 from shared.errors import RelayError
-from shared.events import DeltaEvent, EndEvent, ErrorEvent, StartEvent
-from shared.responses_api import ResponsesRequest
 
 
 def response_id(job_id: str) -> str:
     return f"resp_{job_id}"
 
 
-@dataclass
-class _Item:
-    kind: str  # "reasoning", "message" or "function_call"
-    item_id: str
-    text: str = ""
-    call_id: str = ""
-    name: str = ""
-
-    def as_dict(self, status: str) -> dict[str, Any]:
-        if self.kind == "reasoning":
-            content = [{"type": "reasoning_text", "text": self.text}] if status == "completed" else []
-            return {"type": "reasoning", "id": self.item_id, "summary": [], "content": content, "status": status}
-        if self.kind == "message":
-            parts = [_text_part(self.text)] if status == "completed" else []
-            return {"type": "message", "id": self.item_id, "role": "assistant", "status": status, "content": parts}
-        arguments = self.text if status == "completed" else ""
-        return {
-            "type": "function_call", "id": self.item_id, "call_id": self.call_id, "name": self.name,
-            "arguments": arguments, "status": status,
-        }  # fmt: skip
+_ITEM_ID_PREFIXES = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -50,103 +31,111 @@ def _text_part(text: str) -> dict[str, Any]:
 
 @dataclass
 class ResponseBuilder:
-    """The response as the events say so far; ``feed`` returns the stream events each one makes."""
+    """The response as its job's result says so far; ``events`` renders what each delta adds,
+    ``response`` the Response object. Items are choice 0's output items, one for one."""
 
     request: ResponsesRequest
     job_id: str
     created_at: int = field(default_factory=lambda: int(time.time()))
-    items: list[_Item] = field(default_factory=list)
-    calls: dict[int, int] = field(default_factory=dict)  # tool call index → item index
-    finish_reason: str | None = None
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    is_open: bool = False  # the last item still takes deltas
+    input_tokens: int = 0  # the prompt's size, when its start event was read before the builder was made
+    result: JobResult = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.result = JobResult(prompt_tokens=self.input_tokens)
 
     @property
     def id(self) -> str:
         return response_id(self.job_id)
 
-    def feed(self, event: object) -> list[dict[str, Any]]:
+    @property
+    def _items(self) -> list[OutputItem]:
+        return self.result.choices[0].items
+
+    def events(self, added: ChoiceDelta) -> list[dict[str, Any]]:
+        """The stream events a delta of choice 0 makes: an item that opens finishes the one
+        before it, then each update's text arrives as a delta of its item."""
         out: list[dict[str, Any]] = []
-        if isinstance(event, StartEvent):
-            self.input_tokens = event.prompt_tokens
-        elif isinstance(event, EndEvent):
-            usage = event.usage
-            self.input_tokens, self.output_tokens, self.cached_tokens = (
-                usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens,
-            )  # fmt: skip
-        elif isinstance(event, DeltaEvent) and event.index == 0:
-            if event.reasoning:
-                out += self._text("reasoning", event.reasoning)
-            if event.content:
-                out += self._text("message", event.content)
-            for call in event.tool_calls or []:
-                if call.id is not None or call.index not in self.calls:
-                    out += self.close()
-                    item = _Item("function_call", f"fc_{self.job_id}_{len(self.items)}", call_id=call.id or "")
-                    item.name = call.name or ""
-                    self.items.append(item)
-                    self.calls[call.index] = len(self.items) - 1
-                    self.is_open = True
-                    out.append(
-                        {"type": "response.output_item.added", **self._where(), "item": item.as_dict("in_progress")}
-                    )
-                if call.arguments:
-                    index = self.calls[call.index]
-                    self.items[index].text += call.arguments
-                    item_id = self.items[index].item_id
-                    out.append({
-                        "type": "response.function_call_arguments.delta", "item_id": item_id, "output_index": index,
-                        "delta": call.arguments,
-                    })  # fmt: skip
-            if event.finish_reason is not None:
-                self.finish_reason = event.finish_reason
+        for update in added.items:
+            if update.is_new:
+                if update.closed_text is not None:
+                    out += self._done(update.position - 1, update.closed_text)
+                out += self._added(update.position, update.item)
+            if update.text:
+                out.append(self._delta(update.position, update.item, update.text))
         return out
-
-    def _where(self) -> dict[str, Any]:
-        return {"output_index": len(self.items) - 1}
-
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if not (self.is_open and self.items and self.items[-1].kind == kind):
-            out += self.close()
-            prefix = "rs" if kind == "reasoning" else "msg"
-            item = _Item(kind, f"{prefix}_{self.job_id}_{len(self.items)}")
-            self.items.append(item)
-            self.is_open = True
-            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else _text_part("")
-            out.append({"type": "response.output_item.added", **self._where(), "item": item.as_dict("in_progress")})
-            out.append({"type": "response.content_part.added", **self._part_where(), "part": part})
-        self.items[-1].text += text
-        delta_type = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        delta: dict[str, Any] = {"type": delta_type, **self._part_where(), "delta": text}
-        if kind == "message":
-            delta["logprobs"] = []
-        out.append(delta)
-        return out
-
-    def _part_where(self) -> dict[str, Any]:
-        return {"item_id": self.items[-1].item_id, "output_index": len(self.items) - 1, "content_index": 0}
 
     def close(self) -> list[dict[str, Any]]:
-        """The events that finish the open item, if any."""
-        if not (self.is_open and self.items):
-            return []
-        self.is_open = False
-        item = self.items[-1]
+        """The events that finish the last item, if any."""
+        return self._done(len(self._items) - 1, self._items[-1].text) if self._items else []
+
+    def _item_id(self, position: int) -> str:
+        return f"{_ITEM_ID_PREFIXES[self._items[position].kind]}_{self.job_id}_{position}"
+
+    def _item(self, position: int, status: str, text: str | None = None) -> dict[str, Any]:
+        """The item at ``position``; completed, with ``text`` (default: all of it so far)."""
+        item, item_id = self._items[position], self._item_id(position)
+        text = item.text if text is None else text
+        if item.kind == "reasoning":
+            content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+            return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+        if item.kind == "text":
+            parts = [_text_part(text)] if status == "completed" else []
+            return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": parts}
+        arguments = text if status == "completed" else ""
+        return {
+            "type": "function_call", "id": item_id, "call_id": item.call_id, "name": item.name,
+            "arguments": arguments, "status": status,
+        }  # fmt: skip
+
+    def _part_where(self, position: int) -> dict[str, Any]:
+        return {"item_id": self._item_id(position), "output_index": position, "content_index": 0}
+
+    def _added(self, position: int, item: OutputItem) -> list[dict[str, Any]]:
+        out = [
+            {
+                "type": "response.output_item.added",
+                "output_index": position,
+                "item": self._item(position, "in_progress"),
+            }
+        ]
+        if item.kind != "tool_call":
+            part = {"type": "reasoning_text", "text": ""} if item.kind == "reasoning" else _text_part("")
+            out.append({"type": "response.content_part.added", **self._part_where(position), "part": part})
+        return out
+
+    def _delta(self, position: int, item: OutputItem, text: str) -> dict[str, Any]:
+        if item.kind == "tool_call":
+            return {
+                "type": "response.function_call_arguments.delta", "item_id": self._item_id(position),
+                "output_index": position, "delta": text,
+            }  # fmt: skip
+        if item.kind == "reasoning":
+            return {"type": "response.reasoning_text.delta", **self._part_where(position), "delta": text}
+        return {"type": "response.output_text.delta", **self._part_where(position), "delta": text, "logprobs": []}
+
+    def _done(self, position: int, text: str) -> list[dict[str, Any]]:
+        """The events that end the item at ``position``, whose text is ``text`` as it ends."""
+        item = self._items[position]
         out: list[dict[str, Any]] = []
         if item.kind == "reasoning":
-            out.append({"type": "response.reasoning_text.done", **self._part_where(), "text": item.text})
-            out.append({"type": "response.content_part.done", **self._part_where(),
-                        "part": {"type": "reasoning_text", "text": item.text}})  # fmt: skip
-        elif item.kind == "message":
-            out.append({"type": "response.output_text.done", **self._part_where(), "text": item.text, "logprobs": []})
-            out.append({"type": "response.content_part.done", **self._part_where(), "part": _text_part(item.text)})
+            out.append({"type": "response.reasoning_text.done", **self._part_where(position), "text": text})
+            out.append({"type": "response.content_part.done", **self._part_where(position),
+                        "part": {"type": "reasoning_text", "text": text}})  # fmt: skip
+        elif item.kind == "text":
+            out.append(
+                {"type": "response.output_text.done", **self._part_where(position), "text": text, "logprobs": []}
+            )
+            out.append({"type": "response.content_part.done", **self._part_where(position), "part": _text_part(text)})
         else:
-            out.append({"type": "response.function_call_arguments.done", "item_id": item.item_id, **self._where(),
-                        "name": item.name, "arguments": item.text})  # fmt: skip
-        out.append({"type": "response.output_item.done", **self._where(), "item": item.as_dict("completed")})
+            out.append({"type": "response.function_call_arguments.done", "item_id": self._item_id(position),
+                        "output_index": position, "name": item.name, "arguments": text})  # fmt: skip
+        out.append(
+            {
+                "type": "response.output_item.done",
+                "output_index": position,
+                "item": self._item(position, "completed", text),
+            }
+        )
         return out
 
     def response(self, status: str, error: RelayError | None = None) -> dict[str, Any]:
@@ -159,16 +148,18 @@ class ResponseBuilder:
         tool_choice = request.tool_choice if isinstance(request.tool_choice, str) else request.tool_choice.model_dump()
         usage = None
         if is_final and status != "failed":
+            result = self.result
+            num_input, num_output = result.num_prompt_tokens, result.num_completion_tokens
             usage = {
-                "input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
-                "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.input_tokens + self.output_tokens,
+                "input_tokens": num_input, "input_tokens_details": {"cached_tokens": result.num_cached_tokens},
+                "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": num_input + num_output,
             }  # fmt: skip
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None,
             "background": request.background, "model": request.model,
-            "output": [item.as_dict("completed") for item in self.items] if is_final else [],
+            "output": self.output_items() if is_final else [],
             "error": {"code": error.spec.code or error.kind.value, "message": error.message} if error else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
@@ -183,21 +174,15 @@ class ResponseBuilder:
 
     @property
     def final_status(self) -> str:
-        return "incomplete" if self.finish_reason == "length" else "completed"
+        return "incomplete" if self.result.choices[0].finish_reason == "length" else "completed"
 
     def output_items(self) -> list[dict[str, Any]]:
-        return [item.as_dict("completed") for item in self.items]
+        return [self._item(position, "completed") for position in range(len(self._items))]
 
 
 async def collect_response(stream: JobEvents, builder: ResponseBuilder) -> dict[str, Any]:
     """The non-stream answer; raises RelayError when the job failed before any output."""
-    try:
-        async for event in stream.events():
-            if isinstance(event, ErrorEvent):
-                raise event.to_exception()
-            builder.feed(event)
-    finally:
-        await stream.close()
+    await collect(stream, builder.result)
     return builder.response(builder.final_status)
 
 
@@ -220,11 +205,10 @@ async def response_events(
     yield sse({"type": "response.created", "response": builder.response("in_progress")})
     yield sse({"type": "response.in_progress", "response": builder.response("in_progress")})
     try:
-        async for event in stream.events():
-            if isinstance(event, ErrorEvent):
-                raise event.to_exception()
-            for out in builder.feed(event):
-                yield sse(out)
+        async for _, added in follow(stream, builder.result):
+            if added is not None and added.index == 0:
+                for out in builder.events(added):
+                    yield sse(out)
         for out in builder.close():
             yield sse(out)
         final = builder.response(builder.final_status)

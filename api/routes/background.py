@@ -11,14 +11,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.routing import APIRouter
 
-from api.batches.runner import BatchRunner
 from api.jobs.background import job_summary
+from api.jobs.background_results import BackgroundResults
 from api.jobs.detached import DetachedJobs
 from api.routes.chat import ERROR_RESPONSES
 from api.tenancy import Tenant, tenant_of
+from shared.contract import ChatJob, decode_job
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle
-from shared.jobs import ChatJob, decode_job
 
 router = APIRouter()
 
@@ -31,7 +31,7 @@ async def _background_job(lifecycle: JobLifecycle, job_id: str, tenant: Tenant) 
     """The job, if it is a background job the tenant may see; another key's is a 404."""
     payload = await lifecycle.payload(job_id)
     job = decode_job(payload) if payload is not None else None
-    if not isinstance(job, ChatJob) or not job.request.background or not tenant.can_see(job.tenant):
+    if not isinstance(job, ChatJob) or not job.delivery.background or not tenant.can_see(job.tenant):
         raise _not_found(job_id)
     return job
 
@@ -71,9 +71,9 @@ async def get_background(request: Request, job_id: str) -> dict[str, Any]:
     current = (await jobs.states([job_id]))[job_id]
     if current.outcome is None:
         return job_summary(job, current.status)
-    runner: BatchRunner = state.batch_runner
+    results: BackgroundResults = state.background_results
     status = "completed" if current.outcome.succeeded else "failed"
-    await runner.store_result(job_id, status, current.outcome, job_summary(job, status), job.tenant)
+    await results.store(job_id, status, current.outcome, job_summary(job, status), job.tenant)
     return _from_record(job_id, json.loads(await redis.get(keys.job_result(job_id))), job)
 
 
@@ -89,8 +89,8 @@ async def cancel_background(request: Request, job_id: str) -> dict[str, Any]:
         return _from_record(job_id, stored, None)  # already over: nothing to cancel
     job = await _background_job(state.lifecycle, job_id, tenant_of(request))
     await state.lifecycle.cancel([job_id])
-    runner: BatchRunner = state.batch_runner
-    await runner.store_result(job_id, "cancelled", None, job_summary(job, "cancelled"), job.tenant)
+    results: BackgroundResults = state.background_results
+    await results.store(job_id, "cancelled", None, job_summary(job, "cancelled"), job.tenant)
     return job_summary(job, "cancelled")
 
 

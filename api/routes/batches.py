@@ -12,8 +12,8 @@ from api.batches.store import BatchStore, StoredBatch
 from api.routes.chat import ERROR_RESPONSES
 from api.settings import ApiSettings
 from api.tenancy import tenant_of
+from api.wire.openai.batch import TERMINAL_STATUSES, Batch, BatchList, CreateBatchRequest
 from shared.errors import ErrorKind, RelayError
-from shared.openai.batch import TERMINAL_STATUSES, Batch, BatchList, CreateBatchRequest
 
 router = APIRouter()
 

@@ -14,11 +14,11 @@ from api.render.chat import collect_completion
 from api.render.chat_stream import sse_chunks, sse_response
 from api.settings import ApiSettings
 from api.tenancy import tenant_of
+from api.wire.openai.chat_request import ChatCompletionRequest
+from api.wire.openai.chat_response import ChatCompletion
+from api.wire.openai.errors import ErrorResponse
 from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent
-from shared.openai.chat_request import ChatCompletionRequest
-from shared.openai.chat_response import ChatCompletion
-from shared.openai.errors import ErrorResponse
 
 router = APIRouter()
 

@@ -9,8 +9,8 @@ from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_response
 from api.render.completion import collect_text_completion, sse_completion_chunks
 from api.routes.chat import CLIENT_CLOSED_REQUEST, start_stream, with_errors
-from shared.openai.completion_request import CompletionRequest
-from shared.openai.completion_response import Completion
+from api.wire.openai.completion_request import CompletionRequest
+from api.wire.openai.completion_response import Completion
 
 router = APIRouter()
 

@@ -8,7 +8,7 @@ from api.jobs.stream import ClientDisconnected
 from api.jobs.submitter import JobSubmitter
 from api.render.embeddings import collect_embeddings
 from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, start_stream
-from shared.openai.embeddings import EmbeddingRequest, EmbeddingResponse
+from api.wire.openai.embeddings import EmbeddingRequest, EmbeddingResponse
 
 router = APIRouter()
 

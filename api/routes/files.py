@@ -10,8 +10,8 @@ from fastapi.responses import Response
 from api.batches.file_store import FileStore
 from api.routes.chat import ERROR_RESPONSES, with_errors
 from api.tenancy import tenant_of
+from api.wire.openai.batch import FileDeleted, FileList, FileObject
 from shared.errors import ErrorKind, RelayError
-from shared.openai.batch import FileDeleted, FileList, FileObject
 
 router = APIRouter()
 

@@ -1,6 +1,6 @@
 """``POST /v1/messages``: the Anthropic Messages API, on the same jobs as chat completions.
 
-The request becomes a chat request (``shared/anthropic_messages.py``) and runs as a chat job:
+The request becomes a chat request (``api/wire/anthropic.py``) and runs as a chat job:
 queueing, failover, tool parsing, constrained tool choice and keep-alives are the chat path's.
 Errors on these routes are in Anthropic's shape (``api/errors.py``).
 """
@@ -13,14 +13,15 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from api.errors import translation_error
+from api.jobs.build import chat_generate
 from api.jobs.submitter import JobSubmitter
 from api.render.anthropic import collect_message, message_events
 from api.render.chat_stream import sse_response
 from api.routes.chat import CLIENT_CLOSED_REQUEST, OpenApiResponses, check_request_limits, start_stream
 from api.routes.tokenize import run_tokenize
-from shared.anthropic_messages import AnthropicErrorResponse, CountTokensRequest, MessagesRequest, to_chat_request
-from shared.jobs import TokenizeRequest
-from shared.openai.chat_request import ChatCompletionRequest
+from api.wire.anthropic import AnthropicErrorResponse, CountTokensRequest, MessagesRequest, to_chat_request
+from api.wire.openai.chat_request import ChatCompletionRequest
+from shared.contract import Tokenize
 
 router = APIRouter()
 _ERRORS: OpenApiResponses = {
@@ -49,7 +50,7 @@ async def count_message_tokens(body: CountTokensRequest, request: Request) -> To
     submitter: JobSubmitter = request.app.state.submitter
     chat = chat_request_of(body)
     check_request_limits(chat, submitter.settings)
-    token_ids, _ = await run_tokenize(request, TokenizeRequest(model=chat.model, chat=chat))
+    token_ids, _ = await run_tokenize(request, Tokenize(model=chat.model, chat=chat_generate(chat)))
     return TokenCount(input_tokens=len(token_ids))
 
 

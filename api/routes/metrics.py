@@ -5,11 +5,37 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from api.jobs.worker_directory import WorkerDirectory
+from api.metrics import Metrics
+
 router = APIRouter()
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     state = request.app.state
-    await state.metrics.refresh_workers(state.directory)
+    await refresh_workers(state.metrics, state.directory)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def refresh_workers(metrics: Metrics, directory: WorkerDirectory) -> None:
+    """Copy the registry into the gauges (workers that died disappear from the labels)."""
+    for gauge in (
+        metrics.running,
+        metrics.waiting,
+        metrics.kv_usage,
+        metrics.prefix_hit_rate,
+        metrics.queue_depth,
+        metrics.live_workers,
+    ):
+        gauge.clear()
+    for record in await directory.model_records():
+        workers = await directory.live_workers(record.model)
+        metrics.live_workers.labels(record.model).set(len(workers))
+        metrics.queue_depth.labels(record.model).set(await directory.queue_depth(record.model))
+        for worker in workers:
+            labels = (record.model, worker.worker_id)
+            metrics.running.labels(*labels).set(worker.num_running)
+            metrics.waiting.labels(*labels).set(worker.num_waiting)
+            metrics.kv_usage.labels(*labels).set(worker.kv_cache_usage)
+            metrics.prefix_hit_rate.labels(*labels).set(worker.prefix_cache_hit_rate)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from api.jobs.worker_directory import WorkerDirectory
-from shared.openai.models import ModelCard, ModelList
+from api.wire.openai.models import ModelCard, ModelList
 
 router = APIRouter()
 

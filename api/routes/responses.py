@@ -16,18 +16,19 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import TypeAdapter
 
 from api.errors import translation_error
-from api.jobs.stream import EventReplay
-from api.jobs.submitter import JobSubmitter, make_job
+from api.jobs.build import make_job
+from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_response
+from api.render.events import EventReplay
 from api.render.responses import ResponseBuilder, collect_response, response_events
 from api.response_store import ResponseStore, StoredResponse
 from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, check_request_limits, start_stream, with_errors
 from api.tenancy import Tenant, tenant_of
+from api.wire.openai.chat_request import ChatCompletionRequest
+from api.wire.responses import InputItem, ResponsesRequest, to_chat_request
+from shared.contract import decode_job
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle, JobState
-from shared.jobs import decode_job
-from shared.openai.chat_request import ChatCompletionRequest
-from shared.responses_api import InputItem, ResponsesRequest, to_chat_request
 
 router = APIRouter()
 _ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])

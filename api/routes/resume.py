@@ -13,8 +13,8 @@ from api.render.chat_stream import sse_chunks, sse_response
 from api.render.completion import sse_completion_chunks
 from api.routes.chat import with_errors
 from api.tenancy import tenant_of
+from shared.contract import ChatJob, CompletionJob
 from shared.errors import ErrorKind, RelayError
-from shared.jobs import ChatJob, CompletionJob
 
 router = APIRouter()
 _STREAM_RESPONSES = with_errors(200, "text/event-stream")
@@ -38,9 +38,9 @@ async def _attach(request: Request, job_id: str, last_event_id: int | None, kind
     settings = submitter.settings
     job = stream.job
     if isinstance(job, ChatJob):
-        chunks = sse_chunks(stream, job.request.include_usage, settings.reasoning_field, last_event_id is None)
+        chunks = sse_chunks(stream, job.delivery.include_usage, settings.reasoning_field, last_event_id is None)
     elif isinstance(job, CompletionJob):
-        chunks = sse_completion_chunks(stream, job.request.include_usage)
+        chunks = sse_completion_chunks(stream, job.delivery.include_usage)
     else:  # an embedding job has no stream to resume
         await stream.close()
         raise RelayError(ErrorKind.NOT_FOUND, f"No streaming job `{job_id}`.")

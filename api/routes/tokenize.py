@@ -8,15 +8,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, NonNegativeInt, model_validator
 
+from api.jobs.build import chat_generate, tokenize_job
 from api.jobs.stream import ClientDisconnected
-from api.jobs.submitter import JobSubmitter, tokenize_job
+from api.jobs.submitter import JobSubmitter
 from api.jobs.worker_directory import WorkerDirectory
+from api.render.accumulator import JobResult, collect
 from api.routes.chat import ERROR_RESPONSES
 from api.tenancy import tenant_of
+from api.wire.openai.chat_request import ChatCompletionRequest, ChatMessage, ToolDefinition
+from shared.contract import Tokenize
 from shared.errors import ErrorKind, RelayError
-from shared.events import DeltaEvent, EndEvent, ErrorEvent
-from shared.jobs import TokenizeRequest
-from shared.openai.chat_request import ChatCompletionRequest, ChatMessage, ToolDefinition
 
 router = APIRouter()
 
@@ -60,27 +61,20 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-async def run_tokenize(request: Request, tokenize: TokenizeRequest) -> tuple[list[int], str]:
+async def run_tokenize(request: Request, tokenize: Tokenize) -> tuple[list[int], str]:
     """The token ids (and, detokenizing, the text) one of the model's workers answers with."""
     submitter: JobSubmitter = request.app.state.submitter
     state = request.state
     job = tokenize_job(tokenize, state.request_id, state.request_id_is_ours, tenant_of(request).owner)
     stream = await submitter.submit_job(job, request.is_disconnected)
-    token_ids: list[int] = []
-    text = ""
     try:
-        async for event in stream.events():
-            if isinstance(event, ErrorEvent):
-                raise event.to_exception()
-            if isinstance(event, DeltaEvent):
-                token_ids, text = event.token_ids, event.content or ""
-            elif isinstance(event, EndEvent):
-                return token_ids, text
+        result = await collect(stream, JobResult())
     except ClientDisconnected:
         raise RelayError(ErrorKind.CANCELLED, "The client closed the request.") from None
-    finally:
-        await stream.close()
-    raise RelayError(ErrorKind.INTERNAL, "The worker ended the job without an answer.")
+    if result.usage is None:
+        raise RelayError(ErrorKind.INTERNAL, "The worker ended the job without an answer.")
+    answer = result.choices[0]  # the worker answers in one delta
+    return answer.token_ids, answer.content
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES, summary="Tokenize (vLLM)")
@@ -89,10 +83,10 @@ async def tokenize(body: TokenizeBody, request: Request) -> TokenizeResponse:
         chat = ChatCompletionRequest(
             model=body.model, messages=body.messages, tools=body.tools, chat_template_kwargs=body.chat_template_kwargs
         )
-        tokenize_request = TokenizeRequest(model=body.model, chat=chat)
+        tokenize_request = Tokenize(model=body.model, chat=chat_generate(chat))
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        tokenize_request = TokenizeRequest(model=body.model, prompt=body.prompt, add_special_tokens=add_special)
+        tokenize_request = Tokenize(model=body.model, prompt=body.prompt, add_special_tokens=add_special)
     token_ids, _ = await run_tokenize(request, tokenize_request)
     directory: WorkerDirectory = request.app.state.directory
     limits = {record.model: record.max_model_len for record in await directory.model_records()}
@@ -101,5 +95,5 @@ async def tokenize(body: TokenizeBody, request: Request) -> TokenizeResponse:
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES, summary="Detokenize (vLLM)")
 async def detokenize(body: DetokenizeBody, request: Request) -> DetokenizeResponse:
-    _, text = await run_tokenize(request, TokenizeRequest(model=body.model, tokens=body.tokens))
+    _, text = await run_tokenize(request, Tokenize(model=body.model, tokens=body.tokens))
     return DetokenizeResponse(prompt=text)

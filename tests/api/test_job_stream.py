@@ -17,11 +17,10 @@ from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
 from api.request_metrics import RequestObserver
 from api.settings import ApiSettings
+from shared.contract import ChatJob, Generate, Message
 from shared.errors import ErrorKind, RelayError
 from shared.events import AnyEvent, DeltaEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts, encode_event
 from shared.job_lifecycle import AppendRequest, EventAppender, JobLifecycle, JobState
-from shared.jobs import ChatJob
-from shared.openai.chat_request import ChatCompletionRequest
 from shared.redis_keys import RedisKeys
 
 JOB_ID = "chatcmpl-test"
@@ -38,7 +37,7 @@ async def _stream(
     requeued: bool = False,
 ) -> JobStream:
     """A running job whose worker wrote ``logged`` and whose channel brought ``live``; with
-    ``requeued``, then put back in its queue as the reaper does when that worker dies."""
+    ``requeued``, then put back in its queue as the housekeeper does when that worker dies."""
     redis = Redis.from_url(redis_url)
     keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
     lifecycle = JobLifecycle(redis, keys)
@@ -54,7 +53,7 @@ async def _stream(
     queue: asyncio.Queue[bytes] = asyncio.Queue()
     for item in live:
         queue.put_nowait(item if isinstance(item, bytes) else encode_event(item))
-    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    request = Generate(model="m", messages=[Message(role="user", content="x")])
     job = ChatJob(job_id=JOB_ID, created=1, request=request)
     observer = RequestObserver(Metrics(), "m", arrived_at=0.0)
     settings = ApiSettings(liveness_check_interval_s=liveness_check_interval_s, no_worker_grace_s=no_worker_grace_s)
@@ -106,7 +105,7 @@ async def test_bytes_that_are_not_an_event_end_the_stream_with_an_error(redis_ur
 
 
 async def test_a_job_requeued_from_its_dead_worker_with_none_left_ends_as_worker_lost(redis_url: str) -> None:
-    # The reaper got to the dead worker's job before the stream did: the job is queued again, no
+    # The housekeeper got to the dead worker's job before the stream did: the job is queued again, no
     # worker is live. The client hears what happened to its stream (worker_lost), not that the
     # model was never served (no_live_worker, the code for a job that never ran).
     stream = await _stream(redis_url, [START, DELTA_1], [START, DELTA_1], None, 0, 0.1, 0.1, requeued=True)

@@ -16,7 +16,7 @@ from tests.conftest import make_stack
 from tests.support import models
 from tests.support.agent_cli import ensure_qwen_code, npm_available, run_qwen_code
 from tests.support.stack import Stack
-from worker.model_loader import ensure_named_model
+from worker.models.loader import ensure_named_model
 
 pytestmark = [
     pytest.mark.slow,

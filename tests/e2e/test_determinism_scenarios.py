@@ -20,8 +20,8 @@ from openai.types.chat import ChatCompletionChunk
 
 from tests.conftest import make_stack
 from tests.support.stack import Process, Stack
+from worker.service.thread_budget import available_cores
 from worker.settings import DEFAULT_MODEL
-from worker.thread_budget import available_cores
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
@@ -252,7 +252,7 @@ def test_a_killed_workers_stream_continues_as_the_undisturbed_one(
 # --num-threads). The older, A, takes jobs at once; the younger, B, takes a job only once it has
 # waited SPILL_WAIT_S (A full, busy elsewhere or dead). A is given one slot, so a second request
 # sent while A streams waits and B takes it: B turns busy, and A drops from all the cores' threads
-# to half of them at its next registry read (worker/host_pool.py), mid-stream.
+# to half of them at its next registry read (worker/service/host_pool.py), mid-stream.
 _THREADS = re.compile(r"torch threads: (\d+)")
 
 

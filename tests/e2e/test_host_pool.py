@@ -15,8 +15,8 @@ import pytest
 
 from tests.conftest import make_stack
 from tests.support.stack import Process, Stack
-from worker.host_pool import REFRESH_INTERVAL_S
-from worker.thread_budget import available_cores
+from worker.service.host_pool import REFRESH_INTERVAL_S
+from worker.service.thread_budget import available_cores
 
 pytestmark = pytest.mark.slow
 MODEL = "pooled-tiny"

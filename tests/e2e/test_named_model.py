@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import make_stack
 from tests.support import models
 from tests.support.stack import Stack
-from worker.model_loader import ensure_named_model
+from worker.models.loader import ensure_named_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 MODEL = "qwen2.5-coder-0.5b-instruct"

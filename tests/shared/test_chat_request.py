@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from shared.openai.chat_request import ChatCompletionRequest
+from api.wire.openai.chat_request import ChatCompletionRequest
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -211,3 +212,50 @@ async def test_cancel_ends_queued_and_running_jobs_once_and_refuses_their_worker
     [refused] = appender.append([AppendRequest("running", running.epoch, _encoded(START), None)])
     assert refused.status is AppendStatus.REFUSED
     assert await lifecycle.claim(keys.queue("m"), "w", "i") is None  # the cancelled one is gone from the queue
+
+
+async def test_an_expiry_is_a_cancel_that_reports_expired_and_tells_the_workers(env, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, _, keys = env
+    await _queued(lifecycle, keys, "line")
+    assert await lifecycle.claim(keys.queue("m"), "w", "i") is not None
+    client = Redis.from_url(redis_url)
+    listener = client.pubsub()
+    await listener.subscribe(keys.cancel_channel())
+    try:
+        await lifecycle.cancel(["line"], "the batch expired", JobState.EXPIRED)
+        async with asyncio.timeout(5):
+            while (message := await listener.get_message(ignore_subscribe_messages=True, timeout=1)) is None:
+                pass
+        assert message["data"] == b"line"
+    finally:
+        await listener.aclose()
+        await client.aclose()
+    record = await lifecycle.record("line")
+    assert record is not None and record.state is JobState.EXPIRED
+    [event] = await lifecycle.read_log("line")
+    assert isinstance(event, ErrorEvent) and event.kind is ErrorKind.EXPIRED and event.message == "the batch expired"
+
+
+async def test_a_background_result_is_kept_as_the_job_leaves_the_background_set(env, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, _, keys = env
+    await lifecycle.track_background("b2")
+    await lifecycle.track_background("b1")
+    assert await lifecycle.background_job_ids() == ["b1", "b2"]
+    await lifecycle.untrack_background("b1", '{"status": "completed"}', retention_s=60)
+    assert await lifecycle.background_job_ids() == ["b2"]
+    client = Redis.from_url(redis_url)
+    try:
+        assert await client.get(keys.job_result("b1")) == b'{"status": "completed"}'
+        assert 0 < await client.ttl(keys.job_result("b1")) <= 60
+    finally:
+        await client.aclose()
+
+
+async def test_a_queued_record_says_when_it_entered_its_queue(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, _, keys = env
+    before_ms = int(time.time() * 1000)
+    await _queued(lifecycle, keys, "j1")
+    await _queued(lifecycle, keys, "j2")
+    record = await lifecycle.record("j1")
+    assert record is not None and before_ms <= record.updated_ms <= int(time.time() * 1000)
+    assert await lifecycle.queued_job_ids(keys.queue("m")) == ["j1", "j2"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from worker.model_loader import ensure_default_model
+from worker.models.loader import ensure_default_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,13 +18,15 @@ import torch
 from tests.conftest import make_stack
 from tests.worker.test_engine import Collector
 from worker.engine.builder import EngineConfig, build_engine
-from worker.engine.kv_cache import KVCacheLayout, SlotKVCache
 from worker.engine.model_runner import ModelRunner
+from worker.engine.prefix_state import PrefixLink
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import PrefillChunk
+from worker.engine.scheduling_state import SchedulingState
 from worker.engine.sequence import EngineRequest
-from worker.model_loader import LoadedModel, load_model
+from worker.models.loader import LoadedModel, load_model
 from worker.native.compiled_decode import CompiledDecode, CompileState, build_package, can_compile, package_key
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not can_compile(), reason="needs a C++ compiler")]
 MAX_LEN = 128
@@ -35,8 +37,8 @@ class _Prompt:
     """A prefill chunk's sequence: its prompt, in slot 0, reading no shared prefix."""
 
     def __init__(self, token_ids: list[int]) -> None:
-        self.prefill_token_ids, self.slot = token_ids, 0
-        self.shared_prefix, self.shared_len = None, 0
+        self.sched = SchedulingState(token_ids, slot=0)
+        self.prefix = PrefixLink()
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,11 @@ from tests.support.models import tiny_random_llama_dir
 from tests.worker.test_engine import Collector
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine
-from worker.engine.kv_cache import KVCacheLayout
 from worker.engine.prefix_cache import BLOCK_SIZE
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import EngineRequest, ResumeState
-from worker.model_loader import LoadedModel, load_model
+from worker.models.loader import LoadedModel, load_model
+from worker.native.kv_cache import KVCacheLayout
 
 MAX_LEN = 512
 

@@ -14,10 +14,10 @@ from shared.errors import ErrorKind
 from shared.events import DeltaEvent, EndEvent, ErrorEvent
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine, RequestOutput
-from worker.engine.kv_cache import KVCacheLayout
 from worker.engine.prefix_cache import BLOCK_SIZE
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import EngineRequest
+from worker.native.kv_cache import KVCacheLayout
 
 MAX_LEN = 256
 
@@ -217,7 +217,7 @@ def test_running_out_of_blocks_preempts_and_every_sequence_finishes_as_if_alone(
         assert collector.num_tokens(rid) == 110
         assert collector.text(rid) == _text_alone(tiny, prompt, _greedy(110)), rid
     # The newest are preempted first: the first admitted never was.
-    assert requests["r0"].sequences[0].num_preemptions == 0
+    assert requests["r0"].sequences[0].sched.num_preemptions == 0
 
 
 def test_batch_lines_are_preempted_before_interactive_requests(tiny: tuple[torch.nn.Module, object]) -> None:
@@ -231,7 +231,7 @@ def test_batch_lines_are_preempted_before_interactive_requests(tiny: tuple[torch
         engine.submit(request)
     _drain(engine, collector, {r.request_id for r in batch + interactive}, max_steps=5000)
     assert engine.scheduler.num_preemptions > 0
-    assert all(r.sequences[0].num_preemptions == 0 for r in interactive)
+    assert all(r.sequences[0].sched.num_preemptions == 0 for r in interactive)
     assert all(collector.num_tokens(r.request_id) == 110 for r in batch + interactive)
 
 

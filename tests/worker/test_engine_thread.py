@@ -15,8 +15,8 @@ import pytest
 from redis.asyncio import Redis
 
 from worker.engine.engine import LLMEngine
-from worker.engine_thread import EngineThread
-from worker.main import EngineStopped, WorkerProcess
+from worker.service.engine_thread import EngineThread
+from worker.service.main import EngineStopped, WorkerProcess
 from worker.settings import WorkerSettings
 
 

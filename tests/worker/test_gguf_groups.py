@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.worker.test_native_decoder import FAMILIES, _save
-from worker.model_loader import load_model
+from worker.models.loader import load_model
 from worker.native.decoder import JoinedLinear, Linear, NativeCausalLM
 from worker.native.gguf_groups import (
     GROUPS_FILE,

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 
 from shared.redis_keys import RedisKeys
 from shared.registry import WorkerInfo, WorkerState
-from worker.host_pool import SPILL_WAIT_S, HostPool, PoolView, view_of
+from worker.service.host_pool import SPILL_WAIT_S, HostPool, PoolView, view_of
 
 HOST = "host-a"
 

@@ -6,19 +6,20 @@ bug); the Redis, publisher and event log are the real ones.
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
 
 from redis.asyncio import Redis
 
+from shared.contract import CONTRACT_VERSION, AnyJob, ChatJob, Generate, Message, encode_job
 from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent
 from shared.job_lifecycle import JobLifecycle, JobState
-from shared.jobs import AnyJob, ChatJob, encode_job
-from shared.openai.chat_request import ChatCompletionRequest
 from shared.redis_keys import RedisKeys
 from worker.engine.sequence import ResumeState
-from worker.job_runner import JobRunner
-from worker.publisher import EventPublisher
+from worker.service.job_runner import CONTRACT_GRACE_S, JobRunner
+from worker.service.publisher import EventPublisher
 
 MODEL = "runner-model"
 
@@ -39,7 +40,7 @@ async def _run_failing_job(redis: Redis, redis_url: str, error: Exception) -> Er
     keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
     lifecycle = JobLifecycle(redis, keys)
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
-    request = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    request = Generate(model=MODEL, messages=[Message(role="user", content="hi")])
     await lifecycle.create(job_id, encode_job(ChatJob(job_id=job_id, created=0, request=request)), MODEL, "q")
     claim = await lifecycle.claim("q", "worker-a", "instance-a")
     assert claim is not None
@@ -69,3 +70,46 @@ async def test_a_refused_request_ends_the_stream_with_its_own_error(redis: Redis
     refusal = RelayError(ErrorKind.CONTEXT_LENGTH_EXCEEDED, "too long", "messages")
     event = await _run_failing_job(redis, redis_url, refusal)
     assert (event.kind, event.message, event.param) == (ErrorKind.CONTEXT_LENGTH_EXCEEDED, "too long", "messages")
+
+
+async def _run_claimed(lifecycle: JobLifecycle, redis_url: str, keys: RedisKeys, left: list[str]) -> None:
+    claim = await lifecycle.claim("q", "worker-a", "instance-a")
+    assert claim is not None
+    publisher = EventPublisher(redis_url, keys)
+    runner = JobRunner(
+        lifecycle, "worker-a", MODEL, _FailingHandler(RuntimeError("never prepared")), publisher, 60.0,  # type: ignore[arg-type]
+        on_job_left=lambda: left.append("left"),
+    )  # fmt: skip
+    try:
+        await runner.run(claim)
+    finally:
+        publisher.close()
+
+
+async def test_a_job_in_a_newer_contract_is_left_for_a_worker_that_reads_it(redis: Redis, redis_url: str) -> None:
+    keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
+    lifecycle = JobLifecycle(redis, keys)
+    job_id = f"chatcmpl-{uuid.uuid4().hex}"
+    payload = {"version": CONTRACT_VERSION + 1, "kind": "chat", "job_id": job_id, "created": time.time()}
+    await lifecycle.create(job_id, json.dumps(payload).encode(), MODEL, "q")
+    left: list[str] = []
+    await _run_claimed(lifecycle, redis_url, keys, left)
+    record = await lifecycle.record(job_id)
+    assert record is not None and record.state is JobState.QUEUED  # back in its queue, not misread
+    assert left == ["left"] and await lifecycle.read_log(job_id) == []
+    assert await lifecycle.claim("q", "worker-b", "instance-b") is not None  # another worker may take it
+
+
+async def test_a_newer_contract_job_nobody_reads_fails_after_the_grace(redis: Redis, redis_url: str) -> None:
+    keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
+    lifecycle = JobLifecycle(redis, keys)
+    job_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = time.time() - CONTRACT_GRACE_S - 1
+    payload = {"version": CONTRACT_VERSION + 1, "kind": "chat", "job_id": job_id, "created": created}
+    await lifecycle.create(job_id, json.dumps(payload).encode(), MODEL, "q")
+    left: list[str] = []
+    await _run_claimed(lifecycle, redis_url, keys, left)
+    events = await lifecycle.read_log(job_id)
+    assert len(events) == 1 and isinstance(events[0], ErrorEvent) and not left
+    assert events[0].kind is ErrorKind.NO_LIVE_WORKER
+    assert f"version {CONTRACT_VERSION + 1}" in events[0].message and "upgrade the workers" in events[0].message

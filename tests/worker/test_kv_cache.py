@@ -9,17 +9,16 @@ from transformers import AutoConfig
 
 from tests.support.models import default_model_dir
 from tests.worker.engine_helpers import make_seq
-from worker.engine.builder import EngineConfig, _kv_cache_and_budget, default_max_num_batched_tokens
-from worker.engine.kv_blocks import KVBlockBudget
-from worker.engine.kv_cache import (
-    KVCacheLayout,
-    SlotKVCache,
-    block_tokens,
-    is_lazily_backed,
+from worker.engine.builder import (
+    EngineConfig,
+    _kv_cache_and_budget,
+    default_max_num_batched_tokens,
     num_slots_for_budget,
 )
+from worker.engine.kv_blocks import KVBlockBudget
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache, block_tokens, is_lazily_backed
 from worker.settings import WorkerSettings
 
 CPU = torch.device("cpu")
@@ -81,17 +80,17 @@ def test_a_block_is_one_page_of_a_heads_positions() -> None:
 def test_the_budget_admits_with_a_watermark_grows_and_frees() -> None:
     budget = KVBlockBudget(num_blocks=10, block_tokens=32)
     assert budget.watermark == 1
-    seq = make_seq()
+    holder = make_seq().sched
     assert budget.can_admit(9 * 32) and not budget.can_admit(9 * 32 + 1)
-    budget.grow(seq, 33)
-    assert seq.num_kv_blocks == 2 and budget.num_free == 8
-    assert budget.extra_blocks(seq, 64) == 0 and budget.extra_blocks(seq, 65) == 1
-    budget.grow(seq, 65)
+    budget.grow(holder, 33)
+    assert holder.num_kv_blocks == 2 and budget.num_free == 8
+    assert budget.extra_blocks(holder, 64) == 0 and budget.extra_blocks(holder, 65) == 1
+    budget.grow(holder, 65)
     assert budget.usage == pytest.approx(0.3)
     with pytest.raises(RuntimeError, match="overdrawn"):
-        budget.grow(make_seq(), 8 * 32)
-    budget.free(seq)
-    assert budget.num_used == 0 and seq.num_kv_blocks == 0
+        budget.grow(make_seq().sched, 8 * 32)
+    budget.free(holder)
+    assert budget.num_used == 0 and holder.num_kv_blocks == 0
     assert budget.fits_alone(9 * 32) and not budget.fits_alone(10 * 32)
 
 

@@ -11,8 +11,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.support.models import default_model_dir, tiny_random_llama_dir
 from tests.support.qwen import qwen3_tokenizer_dir
-from worker.engine.kv_cache import KVCacheLayout, SlotKVCache
-from worker.model_loader import gguf_parsed_once, load_tokenizer, locate_default_gguf
+from worker.models.loader import gguf_parsed_once, load_tokenizer, locate_default_gguf
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache
 
 TEXTS = [
     "Hello, world! What's the capital of France?",

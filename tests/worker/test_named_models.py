@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.named_models import NAMED_MODELS, GgufInWheels, NamedModelError, WheelPart, assemble_gguf
+from worker.models.named import NAMED_MODELS, GgufInWheels, NamedModelError, WheelPart, assemble_gguf
 
 PARTS = (b"GGUF" + b"a" * 100, b"b" * 50, b"c" * 7)
 

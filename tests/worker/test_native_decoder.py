@@ -21,11 +21,13 @@ from transformers import (
 )
 
 from tests.support.models import tiny_random_llama_dir
-from worker.engine.kv_cache import KVCacheLayout, SlotKVCache
 from worker.engine.model_runner import ModelRunner
+from worker.engine.prefix_state import PrefixLink
 from worker.engine.scheduler import PrefillChunk
-from worker.model_loader import ModelLoadError, load_model
+from worker.engine.scheduling_state import SchedulingState
+from worker.models.loader import ModelLoadError, load_model
 from worker.native.decoder import NativeCausalLM, RMSNorm
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache
 from worker.native.loader import load_native
 from worker.native.spec import UnsupportedCheckpoint, read_decoder_spec
 
@@ -76,9 +78,11 @@ def _reference(folder: Path) -> torch.nn.Module:
 
 
 class _Seq:
+    """What the model runner reads of a sequence: its tokens to prefill, its slot, no prefix."""
+
     def __init__(self, tokens: list[int], slot: int) -> None:
-        self.prefill_token_ids, self.slot = tokens, slot
-        self.shared_prefix, self.shared_len = None, 0
+        self.sched = SchedulingState(tokens, slot=slot)
+        self.prefix = PrefixLink()
 
 
 def _runner(model: NativeCausalLM, slots: int = 3) -> ModelRunner:

@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 
 from tests.worker.test_native_decoder import FAMILIES, SHAPE, _runner, _save, _Seq
 from worker.engine.scheduler import PrefillChunk
-from worker.model_loader import ModelLoadError, load_model
+from worker.models.loader import ModelLoadError, load_model
 from worker.native.decoder import Linear, NativeCausalLM
 from worker.native.quantize import PACKED_MAX_ROWS, Int4Linear, Int8Linear, Quantization, quantize
 

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.worker.engine_helpers import make_seq
-from worker.engine.sampler import Sampler, SlotSamplingState, _block_argmax, _search_cdf, seeded_uniform
+from worker.engine.sampler import Sampler, _block_argmax, _search_cdf, seeded_uniform
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.sampling_state import SlotSamplingState
 from worker.engine.sequence import Sequence
 
 EOS = 3
@@ -23,7 +24,7 @@ def _sampler(num_slots: int, vocab_size: int) -> Sampler:
 
 def _place(sampler: Sampler, seqs: list[Sequence]) -> torch.Tensor:
     for slot, seq in enumerate(seqs):
-        seq.slot = slot
+        seq.sched.slot = slot
         sampler.state.assign(slot, seq.params, seq.prompt_token_ids, seq.output_token_ids)
     return torch.arange(len(seqs))
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from tests.worker.engine_helpers import make_seq
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler, SlotMove
-from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.scheduling_state import SequenceStatus
+from worker.engine.sequence import Sequence
 
 
 def _scheduler(num_slots: int = 4, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
@@ -18,9 +19,9 @@ def _seq(prompt_len: int, name: str = "r") -> Sequence:
 
 def _finish_prefill(scheduler: Scheduler) -> None:
     for chunk in scheduler.schedule().prefill_chunks:
-        chunk.seq.num_computed_tokens += chunk.length
+        chunk.seq.sched.num_computed_tokens += chunk.length
         if chunk.completes_prompt:
-            chunk.seq.status = SequenceStatus.DECODING
+            chunk.seq.sched.status = SequenceStatus.DECODING
 
 
 def test_admission_stops_at_the_slot_count() -> None:
@@ -45,7 +46,7 @@ def test_a_long_prompt_is_chunked_by_the_budget() -> None:
     seq = _seq(100)
     scheduler.add(seq)
     lengths = []
-    while seq.status is not SequenceStatus.DECODING:
+    while seq.sched.status is not SequenceStatus.DECODING:
         step = scheduler.schedule()
         lengths.append(step.prefill_chunks[0].length)
         _finish_prefill_step(step)
@@ -54,9 +55,9 @@ def test_a_long_prompt_is_chunked_by_the_budget() -> None:
 
 def _finish_prefill_step(step: object) -> None:
     for chunk in step.prefill_chunks:  # type: ignore[attr-defined]
-        chunk.seq.num_computed_tokens += chunk.length
+        chunk.seq.sched.num_computed_tokens += chunk.length
         if chunk.completes_prompt:
-            chunk.seq.status = SequenceStatus.DECODING
+            chunk.seq.sched.status = SequenceStatus.DECODING
 
 
 def test_padded_rows_count_against_the_budget() -> None:
@@ -72,7 +73,7 @@ def test_decode_rows_leave_prompts_a_share_of_the_budget() -> None:
         scheduler.add(_seq(1, f"d{i}"))
     for _ in range(7):
         _finish_prefill(scheduler)
-    assert sum(seq.status is SequenceStatus.DECODING for seq in scheduler.running) == 7
+    assert sum(seq.sched.status is SequenceStatus.DECODING for seq in scheduler.running) == 7
     scheduler.add(_seq(50, "new"))
     step = scheduler.schedule()
     assert step.prefill_chunks and step.prefill_chunks[0].length == 2  # budget // 4
@@ -86,9 +87,9 @@ def test_release_moves_the_last_slot_into_the_hole() -> None:
     _finish_prefill(scheduler)
     scheduler.release(seqs[0])
     assert scheduler.schedule().slot_moves == [SlotMove(src=2, dst=0)]  # reported at the next step
-    assert [seq.slot for seq in scheduler.running] == [0, 1]
+    assert [seq.sched.slot for seq in scheduler.running] == [0, 1]
     assert scheduler.running == [seqs[2], seqs[1]]
-    assert seqs[0].status is SequenceStatus.FINISHED and seqs[0].slot is None
+    assert seqs[0].sched.status is SequenceStatus.FINISHED and seqs[0].sched.slot is None
 
 
 def test_releasing_a_waiting_sequence_just_drops_it() -> None:
@@ -131,7 +132,7 @@ def test_completing_an_interactive_prompt_beside_batch_rows_is_a_prefill_only_st
     batch_seq.request.priority = 1
     scheduler.add(batch_seq)
     _finish_prefill(scheduler)
-    assert batch_seq.status is SequenceStatus.DECODING
+    assert batch_seq.sched.status is SequenceStatus.DECODING
     scheduler.add(_seq(4, "chat"))
     step = scheduler.schedule()
     assert step.skip_decode and step.decoding == [] and len(step.prefill_chunks) == 1

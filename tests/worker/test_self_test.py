@@ -12,7 +12,7 @@ import torch
 from tests.support.models import tiny_random_llama_dir
 from tests.support.qwen import tiny_random_qwen3_dir
 from worker.engine.self_test import check_determinism
-from worker.model_loader import LoadedModel, load_model
+from worker.models.loader import LoadedModel, load_model
 from worker.native import exact
 from worker.native.decoder import NativeCausalLM
 
@@ -72,7 +72,7 @@ def test_a_thread_count_that_changes_bits_fails_it(deterministic: LoadedModel, m
 def test_quantization_none_keeps_the_library_kernels_and_says_the_promise_is_off(
     folder: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="worker.model_loader"):
+    with caplog.at_level(logging.WARNING, logger="worker.models.loader"):
         loaded = load_model(str(folder), tmp_path, "cpu", "bfloat16", 512, "native", "none", deterministic=True)
     assert isinstance(loaded.model, NativeCausalLM) and not loaded.model.deterministic
     assert "--deterministic on cannot hold" in caplog.text and "--quantization none" in caplog.text

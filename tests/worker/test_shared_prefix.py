@@ -17,15 +17,17 @@ from shared.events import DeltaEvent
 from tests.worker.test_engine import Collector
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine
-from worker.engine.kv_cache import KVCacheLayout, SlotKVCache, is_lazily_backed
 from worker.engine.model_runner import ModelRunner
 from worker.engine.prefix_cache import block_hashes, extend_block_hashes
+from worker.engine.prefix_state import PrefixLink, PrefixSlot
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import PrefillChunk
-from worker.engine.sequence import EngineRequest, SequenceStatus
-from worker.engine.shared_prefix import PrefixSlot, SharedPrefixes
-from worker.model_loader import LoadedModel, load_model
+from worker.engine.scheduling_state import SchedulingState, SequenceStatus
+from worker.engine.sequence import EngineRequest
+from worker.engine.shared_prefix import SharedPrefixes
+from worker.models.loader import LoadedModel, load_model
 from worker.native.decoder import NativeCausalLM
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache, is_lazily_backed
 
 pytestmark = pytest.mark.skipif(not is_lazily_backed(torch.device("cpu")), reason="needs madvise (Linux)")
 
@@ -41,10 +43,11 @@ def native(tiny_model_path: Path) -> LoadedModel:
 
 
 class _Seq:
+    """What the model runner reads of a sequence: its tokens to prefill, its slot, its prefix."""
+
     def __init__(self, tokens: list[int], slot: int, prefix_slot: int | None = None, shared_len: int = 0) -> None:
-        self.prefill_token_ids, self.slot = tokens, slot
-        self.shared_prefix = PrefixSlot(prefix_slot) if prefix_slot is not None else None
-        self.shared_len = shared_len
+        self.sched = SchedulingState(tokens, slot=slot)
+        self.prefix = PrefixLink(PrefixSlot(prefix_slot) if prefix_slot is not None else None, shared_len)
 
 
 def test_rows_reading_a_shared_prefix_get_the_logits_of_their_whole_sequence(
@@ -139,7 +142,7 @@ def _run_after_the_first(engine: LLMEngine, collector: Collector, requests: list
     """The first request's prompt is computed, then the rest arrive; returns the most KV blocks
     held while all of them decode."""
     engine.submit(requests[0])
-    while requests[0].sequences == [] or requests[0].sequences[0].status is not SequenceStatus.DECODING:
+    while requests[0].sequences == [] or requests[0].sequences[0].sched.status is not SequenceStatus.DECODING:
         engine.run_step()
     for request in requests[1:]:
         engine.submit(request)
@@ -255,7 +258,7 @@ def test_sessions_each_with_their_own_history_copy_it_and_read_no_prefix_slot(na
         readers = 0
         while not {f"{sid}-2" for sid in histories} <= collector.done:
             engine.run_step()
-            readers = max(readers, sum(seq.shared_prefix is not None for seq in engine.scheduler.running))
+            readers = max(readers, sum(seq.prefix.shared is not None for seq in engine.scheduler.running))
         assert readers == 0
         outputs[str(sharing)] = {rid: _tokens(collector, rid) for rid in collector.events}
         if sharing:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine_thread import EngineThread
-from worker.thread_budget import available_cores, threads_for
+from worker.service.engine_thread import EngineThread
+from worker.service.thread_budget import available_cores, threads_for
 
 HOST = "host-a"
 
@@ -69,7 +69,7 @@ def test_available_cores_without_affinity_falls_back_to_cpu_count(
 def test_available_cores_respects_a_taskset_pin() -> None:
     script = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-        "from worker.thread_budget import available_cores; print(available_cores())"
+        "from worker.service.thread_budget import available_cores; print(available_cores())"
     )
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True)

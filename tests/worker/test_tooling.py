@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 
+from api.jobs.build import chat_generate
+from api.wire.openai.chat_request import ChatCompletionRequest
+from shared.contract import Generate
 from shared.errors import RelayError
-from shared.openai.chat_request import ChatCompletionRequest
-from worker.tooling import ToolingConfig, plan_tooling, resolve_tooling
+from worker.requests.tooling import ToolingConfig, plan_tooling, resolve_tooling
 
 HERMES_TEMPLATE = "{% if tools %}<tools>{{ tools }}</tools>{% endif %}<tool_call>{{ messages }}<think>"
 CODER_TEMPLATE = "{% for tool in tools %}{{ tool }}{% endfor %}<tool_call>\n<function={{ name }}>"
@@ -21,9 +23,9 @@ def _tokenizer(template: str) -> Any:
     return SimpleNamespace(chat_template=template)
 
 
-def _request(**fields: object) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+def _request(**fields: object) -> Generate:
+    return chat_generate(
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
     )
 
 

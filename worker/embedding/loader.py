@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from worker.model_loader import ModelLoadError, resolve_device
+from worker.models.loader import ModelLoadError, resolve_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -11,13 +11,14 @@ from worker.engine.detokenizer import Decoder
 from worker.engine.engine import LLMEngine, OutputSink
 from worker.engine.host_allocator import keep_freed_memory
 from worker.engine.kv_blocks import KVBlockBudget
-from worker.engine.kv_cache import KVCacheLayout, SlotKVCache, block_tokens, is_lazily_backed, num_slots_for_budget
 from worker.engine.model_runner import ModelRunner
 from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCache
-from worker.engine.sampler import SlotSamplingState
+from worker.engine.sampling_state import SlotSamplingState
 from worker.engine.scheduler import Scheduler
 from worker.engine.shared_prefix import SharedPrefixes
 from worker.native.decoder import NativeCausalLM
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache, block_tokens, is_lazily_backed
+from worker.native.model_config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def build_engine(
     param = next(model.parameters())
     if param.device.type == "cpu":
         keep_freed_memory()
-    layout = KVCacheLayout.from_config(model.config, param.dtype, param.device)
+    layout = KVCacheLayout.from_config(text_config(model.config), param.dtype, param.device)
     sharing = _shares_prefixes(model, layout, config)
     # Prefix slots are virtual memory until written: room for every running sequence's chain and
     # as many again that none reads (an agent's earlier turns, branches), within the idle budget.
@@ -139,6 +140,12 @@ def _kv_cache_and_budget(
     # Past the slots' blocks, the admission watermark: a free slot's sequence then always fits.
     budget.num_blocks += budget.watermark
     return SlotKVCache(layout, num_slots, config.max_model_len, held_by_tokens=False), budget
+
+
+def num_slots_for_budget(layout: KVCacheLayout, max_model_len: int, budget_bytes: int) -> int:
+    """How many full-length slots (plus the scratch slot) fit in the KV memory budget."""
+    slot_bytes = layout.bytes_per_token * max_model_len
+    return max(0, budget_bytes // slot_bytes - 1)
 
 
 def _too_small(layout: KVCacheLayout, config: EngineConfig) -> str:

@@ -25,9 +25,11 @@ from worker.engine.logprobs import token_logprobs
 from worker.engine.model_runner import ModelRunner, prefix_of
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.prefix_cache import PrefixCache
-from worker.engine.sampler import Sampler, SlotSamplingState
+from worker.engine.sampler import Sampler
+from worker.engine.sampling_state import SlotSamplingState
 from worker.engine.scheduler import ScheduledStep, Scheduler
-from worker.engine.sequence import EngineRequest, Sequence, SequenceStatus
+from worker.engine.scheduling_state import SequenceStatus
+from worker.engine.sequence import EngineRequest, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +186,7 @@ class LLMEngine:
                 self._remember_prefix(chunk.seq, finishing=False)
         if not seqs:
             return
-        slots = torch.tensor([seq.slot for seq in seqs], dtype=torch.long, device=logits.device)
+        slots = torch.tensor([seq.sched.slot for seq in seqs], dtype=torch.long, device=logits.device)
         token_ids = self.sampler.sample(logits, slots, seqs).tolist()
         logprobs = token_logprobs(logits, token_ids, seqs, self._token_text)
         self._postprocess(seqs, token_ids, logprobs)
@@ -194,8 +196,8 @@ class LLMEngine:
         for move in scheduled.slot_moves:
             self.sampling_state.move(move.src, move.dst)
         for seq in scheduled.admitted:
-            assert seq.slot is not None
-            self.sampling_state.assign(seq.slot, seq.params, seq.prompt_token_ids, seq.output_token_ids)
+            assert seq.sched.slot is not None
+            self.sampling_state.assign(seq.sched.slot, seq.params, seq.prompt_token_ids, seq.output_token_ids)
 
     def _run_model(self, scheduled: ScheduledStep) -> torch.Tensor:
         """Decode every running row (prefilling rows ride along as padding), then prefill chunks;
@@ -204,11 +206,11 @@ class LLMEngine:
         decoding = scheduled.decoding
         if decoding:
             running = scheduled.running
-            token_ids = [seq.last_token_id if seq.status is SequenceStatus.DECODING else 0 for seq in running]
-            positions = [seq.num_computed_tokens for seq in running]
+            token_ids = [seq.last_token_id if seq.sched.status is SequenceStatus.DECODING else 0 for seq in running]
+            positions = [seq.sched.num_computed_tokens for seq in running]
             logits = self.runner.decode(token_ids, positions, [prefix_of(seq) for seq in running])
             if len(decoding) < len(running):
-                logits = logits[[seq.slot for seq in decoding]]
+                logits = logits[[seq.sched.slot for seq in decoding]]
             parts.append(logits)
         if scheduled.prefill_chunks:
             chunks = scheduled.prefill_chunks
@@ -283,7 +285,8 @@ class LLMEngine:
         prompt, so the rest continues as if nothing had happened (a seeded draw depends on its
         position alone, so nothing else needs to catch up)."""
         self.output_processor.replay(seq, sent_token_ids)
-        seq.prefill_token_ids = seq.prompt_token_ids + sent_token_ids
+        self.sampler.replay(seq, sent_token_ids)
+        seq.sched.prefill_token_ids = seq.prompt_token_ids + sent_token_ids
 
     def _abort_request(self, command: _Abort) -> None:
         request = self._requests.pop(command.request_id, None)
@@ -293,7 +296,7 @@ class LLMEngine:
                 self._early_aborts.popitem(last=False)
             return
         for seq in request.sequences:
-            if not seq.is_finished:
+            if not seq.sched.is_finished:
                 self.scheduler.release(seq)
         error = None
         if command.kind is not None:
@@ -311,10 +314,10 @@ class LLMEngine:
     # -- prefix cache -----------------------------------------------------------------------------
     def _remember_prefix(self, seq: Sequence, finishing: bool) -> None:
         """Offer a sequence's computed blocks to the prefix cache (prompt done, or finished)."""
-        if seq.slot is None:
+        if seq.sched.slot is None:
             return
         tokens = seq.prompt_token_ids + seq.output_token_ids
         if self.prefix_cache is not None:
-            self.prefix_cache.store(tokens, seq.num_computed_tokens, self.runner.cache, seq.slot)
+            self.prefix_cache.store(tokens, seq.sched.num_computed_tokens, self.runner.cache, seq.sched.slot)
         elif self.scheduler.prefixes is not None:
-            self.scheduler.prefixes.publish(seq, tokens, seq.num_computed_tokens, finishing)
+            self.scheduler.prefixes.publish(seq, tokens, seq.sched.num_computed_tokens, finishing)

@@ -2,9 +2,9 @@
 preempts by, and what ``kv_cache_usage_perc`` reports.
 
 A sequence holds ``ceil(tokens / block_tokens)`` blocks for the tokens its slot holds. On the
-CPU that is the memory it really takes (``kv_cache.py``: a block is one page of each layer's
-heads, backed when first written and handed back when the sequence leaves), so a budget of N
-blocks bounds the KV memory whatever the number of slots.
+CPU that is the memory it really takes (``worker/native/kv_cache.py``: a block is one page of
+each layer's heads, backed when first written and handed back when the sequence leaves), so a
+budget of N blocks bounds the KV memory whatever the number of slots.
 """
 
 from __future__ import annotations

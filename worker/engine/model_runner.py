@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from worker.engine.kv_cache import SharedGroup, SlotKVCache
-from worker.engine.model_config import text_config
 from worker.engine.scheduler import PrefillChunk
 from worker.engine.sequence import Sequence
 from worker.native.decoder import NativeCausalLM
+from worker.native.kv_cache import SharedGroup, SlotKVCache
+from worker.native.model_config import text_config
 
 if TYPE_CHECKING:
     from worker.native.compiled_decode import CompiledDecode
@@ -25,8 +25,8 @@ NO_PREFIX: SharedPrefix = (-1, 0)
 
 
 def prefix_of(seq: Sequence) -> SharedPrefix:
-    prefix = seq.shared_prefix
-    return (prefix.slot, seq.shared_len) if prefix is not None else NO_PREFIX
+    prefix = seq.prefix.shared
+    return (prefix.slot, seq.prefix.shared_len) if prefix is not None else NO_PREFIX
 
 
 class StepForward(Protocol):
@@ -98,10 +98,10 @@ class ModelRunner:
         query_len = max(chunk.length for chunk in chunks)
         token_rows, lengths = [], []
         for chunk in chunks:
-            tokens = chunk.seq.prefill_token_ids[chunk.start : chunk.start + chunk.length]
+            tokens = chunk.seq.sched.prefill_token_ids[chunk.start : chunk.start + chunk.length]
             token_rows.append(tokens + [0] * (query_len - chunk.length))
             lengths.append(chunk.length)
-        slots = torch.tensor([chunk.seq.slot for chunk in chunks], dtype=torch.long, device=device)
+        slots = torch.tensor([chunk.seq.sched.slot for chunk in chunks], dtype=torch.long, device=device)
         starts = torch.tensor([chunk.start for chunk in chunks], dtype=torch.long, device=device)
         length_t = torch.tensor(lengths, dtype=torch.long, device=device)
         offsets = torch.arange(query_len, device=device)[None, :]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.kv_cache import KVCacheLayout, SlotKVCache
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache
 
 BLOCK_SIZE = 32
 

@@ -1,5 +1,6 @@
-"""Batched sampling: every per-row setting lives in a slot-indexed tensor, so one step samples the
-whole batch with tensor ops; Python only loops over the (rare) rows that carry a seed or min_tokens.
+"""Batched sampling: every per-row setting lives in a slot-indexed tensor (``sampling_state.py``),
+so one step samples the whole batch with tensor ops; Python only loops over the (rare) rows that
+carry a seed or min_tokens.
 
 Sampling inverts the CDF with one uniform draw per row. A seeded row's draw for its ``p``-th
 output token is a hash of ``(seed, p)`` (``seeded_uniform``): it depends on nothing a process
@@ -20,7 +21,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.sampling_state import SlotSamplingState
 from worker.engine.sequence import Sequence
 from worker.native import exact
 from worker.structured import allocate_token_bitmask, apply_token_bitmasks_, fill_token_bitmasks
@@ -30,80 +31,6 @@ logger = logging.getLogger(__name__)
 _MIN_CANDIDATES = 256
 # Width of the vocabulary blocks that argmax and the inverse CDF search first (see _block_argmax).
 _BLOCK = 256
-
-
-class SlotSamplingState:
-    """Per-slot sampling settings and penalty statistics (slot ``i`` = batch row ``i``)."""
-
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size = vocab_size
-        self.device = device
-        size = num_slots + 1
-        self.temperature = torch.ones(size, device=device)
-        self.top_p = torch.ones(size, device=device)
-        self.top_k = torch.zeros(size, dtype=torch.long, device=device)
-        self.min_p = torch.zeros(size, device=device)
-        self.presence_penalty = torch.zeros(size, device=device)
-        self.frequency_penalty = torch.zeros(size, device=device)
-        self.repetition_penalty = torch.ones(size, device=device)
-        # Allocated on first use: [slots, vocab] tensors are large for 150k-token vocabularies.
-        self.output_counts: torch.Tensor | None = None
-        self.prompt_mask: torch.Tensor | None = None
-        self.logit_bias: torch.Tensor | None = None
-        self._size = size
-
-    @property
-    def num_rows(self) -> int:
-        return self._size
-
-    def assign(
-        self, slot: int, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]
-    ) -> None:
-        self.temperature[slot] = params.temperature
-        self.top_p[slot] = params.top_p
-        self.top_k[slot] = params.top_k
-        self.min_p[slot] = params.min_p
-        self.presence_penalty[slot] = params.presence_penalty
-        self.frequency_penalty[slot] = params.frequency_penalty
-        self.repetition_penalty[slot] = params.repetition_penalty
-        if params.uses_penalties:
-            counts, prompt_mask = self._penalty_tensors()
-            counts[slot].zero_()
-            prompt_mask[slot].zero_()
-            prompt_ids = torch.tensor(prompt_token_ids, dtype=torch.long, device=self.device)
-            prompt_mask[slot, prompt_ids.clamp(max=self.vocab_size - 1)] = True
-            for token_id in output_token_ids:  # a resumed sequence's earlier output counts too
-                counts[slot, token_id] += 1
-        elif self.output_counts is not None:
-            self.output_counts[slot].zero_()
-        if params.logit_bias or self.logit_bias is not None:
-            bias = self._bias_tensor()
-            bias[slot].zero_()
-            for token_id, value in params.logit_bias:
-                if 0 <= token_id < self.vocab_size:
-                    bias[slot, token_id] = value
-
-    def move(self, src: int, dst: int) -> None:
-        tensors = [self.temperature, self.top_p, self.top_k, self.min_p, self.presence_penalty]
-        tensors += [self.frequency_penalty, self.repetition_penalty]
-        tensors += [t for t in (self.output_counts, self.prompt_mask, self.logit_bias) if t is not None]
-        for tensor in tensors:
-            tensor[dst] = tensor[src]
-
-    def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        if self.output_counts is not None:
-            self.output_counts[slots, token_ids] += 1
-
-    def _penalty_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.output_counts is None or self.prompt_mask is None:
-            self.output_counts = torch.zeros(self._size, self.vocab_size, dtype=torch.int32, device=self.device)
-            self.prompt_mask = torch.zeros(self._size, self.vocab_size, dtype=torch.bool, device=self.device)
-        return self.output_counts, self.prompt_mask
-
-    def _bias_tensor(self) -> torch.Tensor:
-        if self.logit_bias is None:
-            self.logit_bias = torch.zeros(self._size, self.vocab_size, device=self.device)
-        return self.logit_bias
 
 
 RowSums = Callable[[torch.Tensor, int], torch.Tensor]
@@ -142,7 +69,7 @@ class Sampler:
         return tokens
 
     def _apply_grammars(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
-        matchers = {row: seq.matcher for row, seq in enumerate(seqs) if seq.matcher is not None}
+        matchers = {row: seq.sampling.matcher for row, seq in enumerate(seqs) if seq.sampling.matcher is not None}
         if not matchers:
             return logits
         if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
@@ -153,11 +80,20 @@ class Sampler:
         return logits
 
     @staticmethod
+    def replay(seq: Sequence, token_ids: list[int]) -> None:
+        """Advance ``seq``'s grammar over tokens a previous worker already sent, as if it had
+        sampled them here."""
+        matcher = seq.sampling.matcher
+        if matcher is not None:
+            for token_id in token_ids:
+                matcher.accept_token(token_id)
+
+    @staticmethod
     def _advance_grammars(tokens: torch.Tensor, seqs: Seq[Sequence]) -> None:
         for row, seq in enumerate(seqs):
             token_id = int(tokens[row])
-            if seq.matcher is not None and not seq.matcher.accept_token(token_id):
-                request_id, reason = seq.request.request_id, seq.matcher.error_message
+            if seq.sampling.matcher is not None and not seq.sampling.matcher.accept_token(token_id):
+                request_id, reason = seq.request.request_id, seq.sampling.matcher.error_message
                 logger.error("request %s: token %d broke its grammar (%s)", request_id, token_id, reason)
 
     def _apply_penalties(self, logits: torch.Tensor, slots: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
@@ -206,8 +142,8 @@ class Sampler:
         """
         uniform = torch.rand(len(seqs), generator=self._unseeded, device=probs.device)
         for row, seq in enumerate(seqs):
-            if seq.seed is not None:
-                uniform[row] = seeded_uniform(seq.seed, len(seq.output_token_ids))
+            if seq.sampling.seed is not None:
+                uniform[row] = seeded_uniform(seq.sampling.seed, len(seq.output_token_ids))
         return _search_cdf(probs, uniform, self._block_sums)
 
     def _truncate(self, probs: torch.Tensor, slots: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:

@@ -17,7 +17,8 @@ the prefix once, whoever reads it. With the copying prefix cache (``prefix_cache
 cached blocks are copied into its slot at admission.
 
 The scheduler owns every state change of a sequence (waiting → prefilling → decoding →
-finished, and back to waiting when preempted) and the KV cache's slots. It calls nothing of the
+finished, and back to waiting when preempted; its ``sched`` state, ``scheduling_state.py``) and
+the KV cache's slots. It calls nothing of the
 engine's: what the engine keeps per slot follows from what ``schedule`` reports (the slot moves
 since the last step, the sequences admitted in this one), and ``complete_step`` is told what the
 model computed.
@@ -32,10 +33,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from worker.engine.kv_blocks import KVBlockBudget
-from worker.engine.kv_cache import SlotKVCache
 from worker.engine.prefix_cache import PrefixCache
-from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from worker.engine.scheduling_state import FinishReason, SequenceStatus
+from worker.engine.sequence import Sequence
 from worker.engine.shared_prefix import SharedPrefixes
+from worker.native.kv_cache import SlotKVCache
 
 
 class SlotMove(NamedTuple):
@@ -56,12 +58,12 @@ class PrefillChunk:
 
     @property
     def completes_prompt(self) -> bool:
-        return self.start + self.length == self.seq.num_prefill_tokens
+        return self.start + self.length == self.seq.sched.num_prefill_tokens
 
 
 @dataclass
 class ScheduledStep:
-    running: list[Sequence]  # slot order: running[i].slot == i; all of them take part in decode
+    running: list[Sequence]  # slot order: running[i].sched.slot == i; all of them take part in decode
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     # The step only prefills: it completes an interactive prompt while batch lines decode, and
     # its first token should not wait for a decode of every batch row (they decode next step).
@@ -75,7 +77,7 @@ class ScheduledStep:
     def decoding(self) -> list[Sequence]:
         if self.skip_decode:
             return []
-        return [seq for seq in self.running if seq.status is SequenceStatus.DECODING]
+        return [seq for seq in self.running if seq.sched.status is SequenceStatus.DECODING]
 
     @property
     def is_empty(self) -> bool:
@@ -125,7 +127,7 @@ class Scheduler:
 
     def add_finished(self, seq: Sequence) -> None:
         """A choice an earlier attempt of its job already finished: it never runs here."""
-        seq.status = SequenceStatus.FINISHED
+        seq.sched.status = SequenceStatus.FINISHED
 
     def add(self, seq: Sequence) -> None:
         """Waiting sequences are admitted by priority (interactive before batch), FIFO within one."""
@@ -136,12 +138,12 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         self._make_room_to_decode()
-        num_decoding = sum(seq.status is SequenceStatus.DECODING for seq in self.running)
+        num_decoding = sum(seq.sched.status is SequenceStatus.DECODING for seq in self.running)
         budget = max(self.max_num_batched_tokens - num_decoding, self.min_prefill_tokens)
         chunks: list[PrefillChunk] = []
         query_len = 0
         for seq in self._prefill_candidates():
-            if seq.status is SequenceStatus.WAITING:
+            if seq.sched.status is SequenceStatus.WAITING:
                 if chunks and (len(chunks) + 1) * query_len > budget:
                     break
                 if self.prefixes is not None:
@@ -149,14 +151,14 @@ class Scheduler:
                     if not self.budget.can_take(self.prefixes.admission_blocks(seq, match)):
                         break  # in order: a long prompt is not overtaken by every short one after it
                     self.prefixes.attach(seq, match)
-                elif not self.budget.can_admit(seq.num_prefill_tokens + 1):
+                elif not self.budget.can_admit(seq.sched.num_prefill_tokens + 1):
                     break
                 self._admit(seq)  # may load a cached prefix, shortening what is left to compute
-            length = min(seq.num_uncomputed_prompt_tokens, query_len or budget)
+            length = min(seq.sched.num_uncomputed_prompt_tokens, query_len or budget)
             # Rows are padded to the longest chunk, so the padded size is what the budget pays.
             if length < 1 or (len(chunks) + 1) * max(query_len, length) > budget:
                 break
-            chunks.append(PrefillChunk(seq, seq.num_computed_tokens, length))
+            chunks.append(PrefillChunk(seq, seq.sched.num_computed_tokens, length))
             query_len = max(query_len, length)
         completes_interactive = any(chunk.completes_prompt and chunk.seq.request.priority == 0 for chunk in chunks)
         skip_decode = completes_interactive and any(seq.request.priority > 0 for seq in self.running)
@@ -175,51 +177,52 @@ class Scheduler:
         step's logits: the decoding rows, then those whose prompt this step completed."""
         decoding = step.decoding
         for seq in decoding:
-            seq.num_computed_tokens += 1
+            seq.sched.num_computed_tokens += 1
         completed = []
         for chunk in step.prefill_chunks:
-            chunk.seq.num_computed_tokens += chunk.length
+            chunk.seq.sched.num_computed_tokens += chunk.length
             if chunk.completes_prompt:
-                chunk.seq.status = SequenceStatus.DECODING
+                chunk.seq.sched.status = SequenceStatus.DECODING
                 completed.append(chunk.seq)
         return decoding + completed
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """``seq`` produced its last token; it leaves the batch."""
-        seq.finish_reason = reason
+        seq.sched.finish_reason = reason
         self.release(seq)
 
     def _make_room_to_decode(self) -> None:
         """Every decoding sequence gets the block its next token needs; where they do not all
         fit, the least urgent sequences are preempted until they do."""
         while True:
-            decoding = [seq for seq in self.running if seq.status is SequenceStatus.DECODING]
+            decoding = [seq for seq in self.running if seq.sched.status is SequenceStatus.DECODING]
             wanted = sum(
-                self.budget.extra_blocks(seq, seq.num_computed_tokens + 1 - seq.shared_len) for seq in decoding
+                self.budget.extra_blocks(seq.sched, seq.sched.num_computed_tokens + 1 - seq.prefix.shared_len)
+                for seq in decoding
             )
             if wanted <= self.budget.num_free:
                 break
-            self.preempt(max(self.running, key=lambda seq: (seq.request.priority, seq.admit_order)))
+            self.preempt(max(self.running, key=lambda seq: (seq.request.priority, seq.sched.admit_order)))
         for seq in decoding:
-            self._grow(seq, seq.num_computed_tokens + 1)
+            self._grow(seq, seq.sched.num_computed_tokens + 1)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         """Let ``seq`` hold its first ``num_tokens`` tokens (those past its shared prefix in its slot)."""
-        self.budget.grow(seq, num_tokens - seq.shared_len)
-        if self._memory is not None and seq.slot is not None:
-            self._memory.hold(seq.slot, seq.num_kv_blocks, seq.shared_len)
+        self.budget.grow(seq.sched, num_tokens - seq.prefix.shared_len)
+        if self._memory is not None and seq.sched.slot is not None:
+            self._memory.hold(seq.sched.slot, seq.sched.num_kv_blocks, seq.prefix.shared_len)
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s slot and blocks; it waits at the head of its priority to be recomputed."""
         self._leave(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.prefill_token_ids = seq.prompt_token_ids + seq.output_token_ids
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
+        seq.sched.status = SequenceStatus.WAITING
+        seq.sched.prefill_token_ids = seq.prompt_token_ids + seq.output_token_ids
+        seq.sched.num_computed_tokens = 0
+        seq.sched.num_preemptions += 1
         self.num_preemptions += 1
         logger.info(
             "preempted request_id=%s (KV budget: %d of %d blocks free); it will be recomputed from %d tokens",
-            seq.request.request_id, self.budget.num_free, self.budget.num_blocks, seq.num_prefill_tokens,
+            seq.request.request_id, self.budget.num_free, self.budget.num_blocks, seq.sched.num_prefill_tokens,
         )  # fmt: skip
         position = 0
         while position < len(self.waiting) and self.waiting[position].request.priority < seq.request.priority:
@@ -229,7 +232,7 @@ class Scheduler:
     def _prefill_candidates(self) -> Iterator[Sequence]:
         """Sequences holding a slot with prompt left, then waiting ones while slots are free; of
         those, only the most urgent priority's, so batch prompts never slow an interactive one's step."""
-        prefilling = [seq for seq in self.running if seq.status is SequenceStatus.PREFILLING]
+        prefilling = [seq for seq in self.running if seq.sched.status is SequenceStatus.PREFILLING]
         can_admit = bool(self.waiting) and len(self.running) < self.max_running
         priorities = [seq.request.priority for seq in prefilling]
         if can_admit:
@@ -243,25 +246,25 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> None:
         self.waiting.popleft()
-        seq.slot = len(self.running)
-        seq.status = SequenceStatus.PREFILLING
-        seq.admit_order = self._num_admitted
+        seq.sched.slot = len(self.running)
+        seq.sched.status = SequenceStatus.PREFILLING
+        seq.sched.admit_order = self._num_admitted
         self._num_admitted += 1
         self.running.append(seq)
-        seq.num_computed_tokens = seq.shared_len
-        self._grow(seq, seq.num_prefill_tokens + 1)  # the whole prompt, and the first token
-        num_cached = seq.shared_len  # a shared prefix, attached before admission
+        seq.sched.num_computed_tokens = seq.prefix.shared_len
+        self._grow(seq, seq.sched.num_prefill_tokens + 1)  # the whole prompt, and the first token
+        num_cached = seq.prefix.shared_len  # a shared prefix, attached before admission
         if self.prefix_cache is not None and self._memory is not None:
-            num_cached = self.prefix_cache.load(seq.prefill_token_ids, self._memory, seq.slot)
-            seq.num_computed_tokens = num_cached
-        if not seq.num_preemptions:  # usage reports the prompt's cached tokens, once
-            seq.num_cached_tokens = num_cached
+            num_cached = self.prefix_cache.load(seq.sched.prefill_token_ids, self._memory, seq.sched.slot)
+            seq.sched.num_computed_tokens = num_cached
+        if not seq.sched.num_preemptions:  # usage reports the prompt's cached tokens, once
+            seq.sched.num_cached_tokens = num_cached
         self._admitted.append(seq)
 
     def release(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out; the last slot fills its hole."""
-        seq.status = SequenceStatus.FINISHED
-        if seq.slot is None:
+        seq.sched.status = SequenceStatus.FINISHED
+        if seq.sched.slot is None:
             if seq in self.waiting:
                 self.waiting.remove(seq)
             return
@@ -270,20 +273,20 @@ class Scheduler:
     def _leave(self, seq: Sequence) -> None:
         """Out of the running batch: its blocks are freed, the last slot moves into its hole,
         and the slot left empty at the end is vacated (its memory goes back when trimmed)."""
-        hole, last = seq.slot, self.running[-1]
+        hole, last = seq.sched.slot, self.running[-1]
         assert hole is not None
-        self.budget.free(seq)
+        self.budget.free(seq.sched)
         self._admitted = [admitted for admitted in self._admitted if admitted is not seq]  # not yet reported
         if self.prefixes is not None:
             self.prefixes.detach(seq)
         self.running.pop()
-        seq.slot = None
+        seq.sched.slot = None
         if last is not seq:
-            assert last.slot is not None
+            assert last.sched.slot is not None
             if self._memory is not None:
-                self._memory.move_slot(last.slot, hole, last.num_computed_tokens)
-            self._slot_moves.append(SlotMove(last.slot, hole))
-            last.slot = hole
+                self._memory.move_slot(last.sched.slot, hole, last.sched.num_computed_tokens)
+            self._slot_moves.append(SlotMove(last.sched.slot, hole))
+            last.sched.slot = hole
             self.running[hole] = last
         if self._memory is not None:
             self._memory.vacate(len(self.running))

@@ -20,10 +20,11 @@ import torch
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.detokenizer import Decoder
 from worker.engine.engine import LLMEngine, RequestOutput
-from worker.engine.kv_cache import KVCacheLayout
 from worker.engine.prefix_cache import BLOCK_SIZE
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import EngineRequest
+from worker.native.kv_cache import KVCacheLayout
+from worker.native.model_config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def check_determinism(
     current one."""
     started = time.monotonic()
     param = next(model.parameters())
-    layout = KVCacheLayout.from_config(model.config, param.dtype, param.device)
+    layout = KVCacheLayout.from_config(text_config(model.config), param.dtype, param.device)
     vocab = int(getattr(model.config, "vocab_size", 1000))
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(min(100, vocab - 1), vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]

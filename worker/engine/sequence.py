@@ -1,36 +1,22 @@
-"""Request and per-choice sequence state inside the engine."""
+"""A request inside the engine, and its choices: each a ``Sequence`` whose tokens every concern
+reads, and beside them one state object per concern, defined next to nothing but its own data
+(``sched``: scheduler.py, ``prefix``: shared_prefix.py, ``output``: output_processor.py,
+``sampling``: sampler.py), so the concern that changes a field is the one its object names."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum, auto
-from typing import TYPE_CHECKING
 
 from shared.events import StartEvent
-from worker.engine.detokenizer import Decoder, IncrementalDetokenizer
+from worker.engine.detokenizer import Decoder
+from worker.engine.output_state import OutputState
+from worker.engine.prefix_state import PrefixLink
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.stop_checker import StopStringChecker
+from worker.engine.sampling_state import SequenceSampling
+from worker.engine.scheduling_state import SchedulingState
 from worker.parsers.pipeline import TextPipeline
 from worker.structured import CompiledConstraint
-
-if TYPE_CHECKING:
-    from worker.engine.shared_prefix import PrefixSlot
-
-
-class FinishReason(StrEnum):
-    """Why a choice ended, as the OpenAI API names it."""
-
-    STOP = "stop"  # EOS, a stop token or string, or a grammar that cannot go on
-    LENGTH = "length"  # max_tokens, or the context is full
-    TOOL_CALLS = "tool_calls"  # stopped after calling tools
-
-
-class SequenceStatus(Enum):
-    WAITING = auto()  # admitted to the engine, no slot yet
-    PREFILLING = auto()  # has a slot; prompt partly in the KV cache
-    DECODING = auto()  # prompt cached; one token per step
-    FINISHED = auto()
 
 
 @dataclass(frozen=True)
@@ -77,7 +63,7 @@ class EngineRequest:
     @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache, counted once per prompt (by its first choice)."""
-        return sum(seq.num_cached_tokens for seq in self.sequences if seq.index % self.num_choices == 0)
+        return sum(seq.sched.num_cached_tokens for seq in self.sequences if seq.index % self.num_choices == 0)
 
     @property
     def is_finished(self) -> bool:
@@ -85,44 +71,18 @@ class EngineRequest:
 
 
 class Sequence:
-    """One choice of a request: token ids, KV slot, text pipeline and random generator."""
+    """One choice of a request: its tokens, and the state of each concern that works on it."""
 
     def __init__(self, request: EngineRequest, index: int, prompt_token_ids: list[int], tokenizer: Decoder) -> None:
         self.request = request
         self.index = index  # the choice index the client sees: prompt number * n + choice
         self.params = request.params
         self.prompt_token_ids = prompt_token_ids
-        # What prefill puts in the KV cache: the prompt, plus the tokens already sent when the
-        # sequence resumes a job whose first worker died.
-        self.prefill_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
-        self.unsent_token_ids: list[int] = []  # generated since the last delta event
-        self.status = SequenceStatus.WAITING
-        self.slot: int | None = None
-        self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
-        self.num_kv_blocks = 0  # KV blocks held in its own slot (kv_blocks.py)
-        # A prompt prefix it reads from a prefix slot instead of holding (shared_prefix.py): its
-        # first ``shared_len`` tokens, which its own slot then does not hold.
-        self.shared_prefix: PrefixSlot | None = None
-        self.shared_len = 0
-        # The chain its first ``chain_len`` tokens are cached in (read, copied from or published
-        # to): where its later blocks are published, extending that chain in place.
-        self.chain: PrefixSlot | None = None
-        self.chain_len = 0
-        self.chain_hash = 0  # the hash of its last block there: is the chain still its own?
-        # Chained hashes of its first full blocks (shared_prefix.py): its tokens only ever grow at
-        # the end (prompt, then outputs), so a waiting prompt is hashed once, not at every step.
-        self.block_hashes: list[int] = []
-        self.admit_order = 0  # when it was last admitted: the newest is preempted first
-        self.num_preemptions = 0
-        self.finish_reason: FinishReason | None = None  # set by the scheduler as it finishes
-        self.detokenizer = IncrementalDetokenizer(tokenizer, self.params.skip_special_tokens)
-        self.stop_checker = StopStringChecker(self.params.stop_strings + self.params.markup_stop_strings)
-        self.pipeline = request.make_pipeline() if request.make_pipeline is not None else None
-        self.matcher = request.constraint.new_matcher() if request.constraint is not None else None
-        # The key of its random draws (``sampler.seeded_uniform``): each choice of a seeded request its own.
-        self.seed: int | None = None if self.params.seed is None else (self.params.seed + index) % 2**64
+        self.sched = SchedulingState(prompt_token_ids)  # scheduler.py: status, slot, KV held
+        self.prefix = PrefixLink()  # shared_prefix.py: the prefix slots it reads and extends
+        self.output = OutputState(self.params, tokenizer, request.make_pipeline)  # output_processor.py
+        self.sampling = SequenceSampling(self.params, index, request.constraint)  # sampler.py
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -133,17 +93,5 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return len(self.prefill_token_ids)
-
-    @property
-    def num_uncomputed_prompt_tokens(self) -> int:
-        return self.num_prefill_tokens - self.num_computed_tokens
-
-    @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED

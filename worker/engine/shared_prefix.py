@@ -2,8 +2,8 @@
 decoder on the CPU.
 
 Agents and batch jobs send the same long system prompt and tool list with every request. A
-prefix slot (``kv_cache.py``) holds one chain of full blocks (32 tokens, or a KV block where
-that is longer) from position 0, named
+prefix slot (``worker/native/kv_cache.py``) holds one chain of full blocks (32 tokens, or a KV
+block where that is longer) from position 0, named
 block by block by chained hashes (``prefix_cache.extend_block_hashes``). A new sequence attaches to the
 longest cached chain its prompt begins with: it reads those positions from the prefix slot
 (``worker/native/shared_attention.py``) and holds only its own tokens after them, so 32
@@ -29,22 +29,13 @@ least-recently-used when that is full or its slot is wanted.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from worker.engine.kv_blocks import KVBlockBudget
-from worker.engine.kv_cache import SlotKVCache
 from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCacheStats, extend_block_hashes
+from worker.engine.prefix_state import PrefixSlot
 from worker.engine.sequence import Sequence
-
-
-@dataclass(eq=False)
-class PrefixSlot:
-    slot: int  # the cache slot that holds it
-    num_tokens: int = 0  # positions [0, num_tokens) hold a chain of full blocks
-    hashes: list[int] = field(default_factory=list)  # the chain's block hashes
-    num_refs: int = 0  # sequences attached to it
-    num_kv_blocks: int = 0  # charged to the KV budget while referenced, to the idle budget while not
-    last_used: int = 0
+from worker.native.kv_cache import SlotKVCache
 
 
 @dataclass(frozen=True)
@@ -82,7 +73,7 @@ class SharedPrefixes:
     # -- admission ------------------------------------------------------------------------------
     def match(self, seq: Sequence) -> PrefixMatch | None:
         """The longest cached chain ``seq``'s prefill begins with, leaving a token to compute."""
-        tokens = seq.prefill_token_ids
+        tokens = seq.sched.prefill_token_ids
         hashes = self._hashes(seq, tokens, (len(tokens) - 1) // self.block_size)
         for index in range(len(hashes) - 1, -1, -1):
             holders = self._holders.get(hashes[index])
@@ -95,28 +86,28 @@ class SharedPrefixes:
         """KV blocks admitting ``seq`` takes: its own tokens past the match, plus the matched
         prefix's when no running sequence reads it yet."""
         if match is None:
-            return self.kv.blocks_for(seq.num_prefill_tokens + 1)
-        blocks = self.kv.blocks_for(seq.num_prefill_tokens + 1 - match.length)
+            return self.kv.blocks_for(seq.sched.num_prefill_tokens + 1)
+        blocks = self.kv.blocks_for(seq.sched.num_prefill_tokens + 1 - match.length)
         if match.prefix.num_refs == 0:
             blocks += match.prefix.num_kv_blocks
         return blocks
 
     def attach(self, seq: Sequence, match: PrefixMatch | None) -> None:
         """``seq`` is admitted: it reads ``match``'s prefix instead of computing and holding it."""
-        self.stats.num_queried_tokens += seq.num_prefill_tokens
+        self.stats.num_queried_tokens += seq.sched.num_prefill_tokens
         if match is None:
             return
         self.stats.num_hit_tokens += match.length
         self._reference(match.prefix)
-        seq.shared_prefix, seq.shared_len = match.prefix, match.length
+        seq.prefix.shared, seq.prefix.shared_len = match.prefix, match.length
         self._set_seq_chain(seq, match.prefix, match.length)
 
     def detach(self, seq: Sequence) -> None:
         """``seq`` left (finished, aborted or preempted)."""
-        prefix = seq.shared_prefix
+        prefix = seq.prefix.shared
         if prefix is None:
             return
-        seq.shared_prefix, seq.shared_len = None, 0
+        seq.prefix.shared, seq.prefix.shared_len = None, 0
         prefix.num_refs -= 1
         if prefix.num_refs == 0:
             self.kv.free(prefix)
@@ -130,54 +121,54 @@ class SharedPrefixes:
         that alone reads its prefix at its length takes a copy into its own slot."""
         groups: dict[tuple[PrefixSlot, int], list[Sequence]] = {}
         for seq in running:
-            if seq.shared_prefix is not None:
-                groups.setdefault((seq.shared_prefix, seq.shared_len), []).append(seq)
+            if seq.prefix.shared is not None:
+                groups.setdefault((seq.prefix.shared, seq.prefix.shared_len), []).append(seq)
         for seq in running:
-            chain = seq.chain
-            if seq.shared_prefix is not None or seq.slot is None or chain is None or not chain.num_refs:
+            chain = seq.prefix.chain
+            if seq.prefix.shared is not None or seq.sched.slot is None or chain is None or not chain.num_refs:
                 continue
-            lengths = [length for prefix, length in groups if prefix is chain and length <= seq.chain_len]
+            lengths = [length for prefix, length in groups if prefix is chain and length <= seq.prefix.chain_len]
             if not lengths or not self._holds(chain, seq):
                 continue
             length = max(lengths)
             self._reference(chain)
-            self.kv.shrink(seq, length // self.kv.block_tokens)
-            seq.shared_prefix, seq.shared_len = chain, length
-            self.cache.hold(seq.slot, seq.num_kv_blocks, length)
+            self.kv.shrink(seq.sched, length // self.kv.block_tokens)
+            seq.prefix.shared, seq.prefix.shared_len = chain, length
+            self.cache.hold(seq.sched.slot, seq.sched.num_kv_blocks, length)
             groups[(chain, length)].append(seq)
         for (prefix, length), readers in groups.items():
             if len(readers) > 1:
                 continue
             [seq] = readers
             extra = length // self.kv.block_tokens
-            if seq.slot is None or (prefix.num_refs > 1 and not self.kv.can_take(extra)):
+            if seq.sched.slot is None or (prefix.num_refs > 1 and not self.kv.can_take(extra)):
                 continue
-            self.cache.copy_positions(prefix.slot, seq.slot, 0, length)
-            own_tokens = seq.num_kv_blocks * self.kv.block_tokens
+            self.cache.copy_positions(prefix.slot, seq.sched.slot, 0, length)
+            own_tokens = seq.sched.num_kv_blocks * self.kv.block_tokens
             self.detach(seq)  # frees the prefix's charge when no other row reads it
-            self.kv.grow(seq, length + own_tokens)
-            self.cache.hold(seq.slot, seq.num_kv_blocks)
+            self.kv.grow(seq.sched, length + own_tokens)
+            self.cache.hold(seq.sched.slot, seq.sched.num_kv_blocks)
             self._set_seq_chain(seq, prefix if prefix.num_tokens else None, length)
 
     def publish(self, seq: Sequence, tokens: list[int], num_computed: int, finishing: bool) -> None:
         """Offer the full blocks among the first ``num_computed`` of ``tokens`` (``seq``'s prompt,
         and at the end its output)."""
         end = min(num_computed, len(tokens)) // self.block_size * self.block_size
-        if seq.slot is None or end <= seq.shared_len:
+        if seq.sched.slot is None or end <= seq.prefix.shared_len:
             return
         hashes = self._hashes(seq, tokens, end // self.block_size)
-        chain = seq.chain if seq.chain is not None and self._holds(seq.chain, seq) else None
+        chain = seq.prefix.chain if seq.prefix.chain is not None and self._holds(seq.prefix.chain, seq) else None
         if chain is not None:
             num_chain_blocks = len(chain.hashes)
             if len(hashes) <= num_chain_blocks:
                 if chain.hashes[len(hashes) - 1] == hashes[-1]:
                     return  # the chain holds these tokens already
             elif chain.hashes[-1] == hashes[num_chain_blocks - 1]:
-                self._extend(chain, seq, hashes, end, hand_over=seq.shared_prefix is chain)
+                self._extend(chain, seq, hashes, end, hand_over=seq.prefix.shared is chain)
                 return
             if not finishing:
                 return  # it branched off inside the chain: its own chain is left when it finishes
-            if seq.shared_prefix is not None:
+            if seq.prefix.shared is not None:
                 self._publish_copy(seq, hashes, end)
                 return
         target = self._take_empty_slot()
@@ -189,32 +180,32 @@ class SharedPrefixes:
         begin with it). ``hand_over``: ``seq`` reads ``chain`` and hands it its blocks (the KV
         budget charges them once either way); otherwise it keeps its own, and an unread chain
         grows in the idle budget."""
-        assert seq.slot is not None
+        assert seq.sched.slot is not None
         extra = self.kv.blocks_for(end) - chain.num_kv_blocks
         if not hand_over:
             budget_has_room = self.kv.can_take(extra) if chain.num_refs else self._make_idle_room(extra, keep=chain)
             if not budget_has_room:
                 return
-        self.cache.copy_positions(seq.slot, chain.slot, chain.num_tokens, end)
+        self.cache.copy_positions(seq.sched.slot, chain.slot, chain.num_tokens, end)
         if hand_over:
-            self.kv.shrink(seq, (end - seq.shared_len) // self.kv.block_tokens)
+            self.kv.shrink(seq.sched, (end - seq.prefix.shared_len) // self.kv.block_tokens)
         (self.kv if chain.num_refs else self.idle).grow(chain, end)
         self._set_chain(chain, hashes, end)
         self._set_seq_chain(seq, chain, end)
         if hand_over:
-            seq.shared_len = end
-            self.cache.hold(seq.slot, seq.num_kv_blocks, end)
+            seq.prefix.shared_len = end
+            self.cache.hold(seq.sched.slot, seq.sched.num_kv_blocks, end)
 
     def _publish_copy(self, seq: Sequence, hashes: list[int], end: int) -> None:
         """A finishing reader's whole chain (its prefix's part, then its own) into a new prefix
         slot that nobody reads yet, within the idle budget."""
-        source = seq.shared_prefix
-        assert source is not None and seq.slot is not None
+        source = seq.prefix.shared
+        assert source is not None and seq.sched.slot is not None
         target = self._take_empty_slot()
         if target is None or not self._make_idle_room(self.kv.blocks_for(end), keep=source):
             return
-        self.cache.copy_positions(source.slot, target.slot, 0, seq.shared_len)
-        self.cache.copy_positions(seq.slot, target.slot, seq.shared_len, end)
+        self.cache.copy_positions(source.slot, target.slot, 0, seq.prefix.shared_len)
+        self.cache.copy_positions(seq.sched.slot, target.slot, seq.prefix.shared_len, end)
         self.idle.grow(target, end)
         self._set_chain(target, hashes, end)
 
@@ -279,19 +270,19 @@ class SharedPrefixes:
         self.cache.vacate(prefix.slot)
 
     def _set_seq_chain(self, seq: Sequence, chain: PrefixSlot | None, length: int) -> None:
-        seq.chain, seq.chain_len = (chain, length) if chain is not None else (None, 0)
-        seq.chain_hash = chain.hashes[length // self.block_size - 1] if chain is not None and length else 0
+        seq.prefix.chain, seq.prefix.chain_len = (chain, length) if chain is not None else (None, 0)
+        seq.prefix.chain_hash = chain.hashes[length // self.block_size - 1] if chain is not None and length else 0
 
     def _holds(self, chain: PrefixSlot, seq: Sequence) -> bool:
-        """Whether ``chain`` still begins with ``seq``'s first ``seq.chain_len`` tokens."""
-        index = seq.chain_len // self.block_size - 1
-        return 0 <= index < len(chain.hashes) and chain.hashes[index] == seq.chain_hash
+        """Whether ``chain`` still begins with ``seq``'s first ``seq.prefix.chain_len`` tokens."""
+        index = seq.prefix.chain_len // self.block_size - 1
+        return 0 <= index < len(chain.hashes) and chain.hashes[index] == seq.prefix.chain_hash
 
     def _hashes(self, seq: Sequence, tokens: list[int], num_blocks: int) -> list[int]:
         """The chained hashes of ``tokens``' first ``num_blocks`` blocks; ``tokens`` are ``seq``'s
         (prompt, then outputs), so the hashes it already has stay valid and only new blocks are hashed."""
-        extend_block_hashes(seq.block_hashes, tokens, num_blocks, self.block_size)
-        return seq.block_hashes[:num_blocks]
+        extend_block_hashes(seq.prefix.block_hashes, tokens, num_blocks, self.block_size)
+        return seq.prefix.block_hashes[:num_blocks]
 
     def _touch(self, prefix: PrefixSlot) -> None:
         self._clock += 1

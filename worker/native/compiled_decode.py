@@ -8,7 +8,7 @@ C++ call with fused kernels: 1.3–1.5x faster on a 2-core CPU (`python -m bench
 Why this shape:
 - **Ahead of time, in another process.** Compiling takes ~40 s of two cores for the default
   model; in the worker's own process its Python work held the GIL and slowed the serving engine
-  ~12x while it ran. A child process (`python -m worker.native.compiled_decode`, at lower CPU
+  ~12x while it ran. A child process (`python -m worker.models.compile_decode`, at lower CPU
   priority) loads the same model, exports the step and writes a package; the worker serves
   eagerly meanwhile and switches once the package is loaded.
 - **Cached** under ``--cache-dir``, keyed by what the kernels depend on: the weights (a digest),
@@ -23,14 +23,10 @@ Why this shape:
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import ctypes
 import hashlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -42,14 +38,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.engine.kv_cache import SlotKVCache
 from worker.native.decoder import NativeCausalLM
+from worker.native.kv_cache import SlotKVCache
 
 logger = logging.getLogger(__name__)
 
 BUILD_TIMEOUT_S = 900.0
-_BUILD_NICENESS = 10
-_PR_SET_PDEATHSIG = 1
 # inductor's own settings: casts kept where eager rounds (logits then agree with the eager step
 # to bf16 rounding), weights folded in as constants.
 _INDUCTOR_CONFIGS = {"emulate_precision_casts": True, "freezing": True}
@@ -148,7 +142,7 @@ class CompiledDecode:
     one-row step and calls ``__call__`` when it says yes."""
 
     def __init__(self, model: NativeCausalLM, cache: SlotKVCache, cache_dir: Path, build_args: list[str]) -> None:
-        """``build_args``: the ``python -m worker.native.compiled_decode`` arguments that load the
+        """``build_args``: the ``python -m worker.models.compile_decode`` arguments that load the
         same model (``--model ... --dtype ...``); the package path and thread count are added."""
         self._model = model
         self._cache = cache
@@ -208,54 +202,9 @@ class CompiledDecode:
         logger.info("one-row decode step %s in %.1f s (%d threads): %s", how, self.seconds, self.num_threads, path)
 
     def _build(self, path: Path) -> None:
-        command = [sys.executable, "-m", "worker.native.compiled_decode", *self._build_args, "--out", str(path),
+        command = [sys.executable, "-m", "worker.models.compile_decode", *self._build_args, "--out", str(path),
                    "--num-threads", str(self.num_threads), "--parent-pid", str(os.getpid())]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)
         if result.returncode != 0 or not path.exists():
             tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
             raise RuntimeError(f"the build exited with code {result.returncode}: {' | '.join(tail)}")
-
-
-def _yield_to(parent_pid: int) -> None:
-    """First thing in the build process: serving goes first and the build takes what is left; on
-    Linux it is killed with its worker (a SIGKILLed worker leaves no build running). Done here, not
-    in a ``preexec_fn``, which is unsafe in the worker's threaded process."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the worker died before the line above took effect
-        raise SystemExit("the worker that asked for this build is gone")
-    os.nice(_BUILD_NICENESS)
-
-
-def _main() -> None:
-    """The build process: load the model as the worker does, build the package, exit."""
-    from worker.engine.kv_cache import KVCacheLayout
-    from worker.model_loader import load_model
-
-    parser = argparse.ArgumentParser(description="Build the one-row decode package (run by the worker).")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--cache-dir", type=Path, required=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, required=True)
-    parser.add_argument("--model-impl", default="native")
-    parser.add_argument("--quantization", default="auto")
-    parser.add_argument("--num-cache-slots", type=int, required=True, help="all slots of the KV cache")
-    parser.add_argument("--num-threads", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--parent-pid", type=int, required=True, help="the worker's: the build dies with it")
-    args = parser.parse_args()
-    _yield_to(args.parent_pid)
-    torch.set_num_threads(args.num_threads)
-    loaded = load_model(args.model, args.cache_dir, args.device, args.dtype, args.max_model_len, args.model_impl,
-                        args.quantization)  # fmt: skip
-    model = loaded.model
-    assert isinstance(model, NativeCausalLM)
-    layout = KVCacheLayout.from_config(model.config, model.dtype, model.device)
-    twin = SlotKVCache(layout, args.num_cache_slots - 1, loaded.max_model_len)  # the same shapes, lazily backed
-    build_package(model, twin, args.out)
-
-
-if __name__ == "__main__":
-    _main()

@@ -4,7 +4,7 @@ parameter names equal to the checkpoints', so a safetensors state dict loads as 
 It computes what transformers' implementation computes, operation for operation (fp32 logits
 agree to rounding; tests/worker/test_native_decoder.py holds it to that), but only the engine's
 step: token ids, positions and an explicit mask in, hidden states out, keys and values written
-through the engine's slot cache.
+through the slot cache (``kv_cache.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engine.kv_cache import SharedGroup
 from worker.native import exact
+from worker.native.kv_cache import SharedGroup
 from worker.native.shared_attention import attend_with_prefixes
 from worker.native.spec import DecoderSpec
 

@@ -6,8 +6,10 @@ from typing import Any
 
 import pytest
 
+from api.jobs.build import chat_generate
+from api.wire.openai.chat_request import ChatCompletionRequest
+from shared.contract import Generate
 from shared.errors import ErrorKind, RelayError
-from shared.openai.chat_request import ChatCompletionRequest
 from worker.structured import (
     JsonObjectConstraint,
     JsonSchemaConstraint,
@@ -24,9 +26,9 @@ TOOLS = [
 ]
 
 
-def request(**fields: Any) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+def request(**fields: Any) -> Generate:
+    return chat_generate(
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
     )
 
 

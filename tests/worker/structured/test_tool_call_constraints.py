@@ -13,7 +13,8 @@ import pytest
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
-from shared.openai.chat_request import ChatCompletionRequest
+from api.jobs.build import chat_generate
+from api.wire.openai.chat_request import ChatCompletionRequest
 from tests.worker.structured.conftest import TokenizerCase, make_case
 from tests.worker.structured.random_walk import Walk, random_walk
 from worker.structured import ToolCallConstraint, ToolSchema, constraint_from_request
@@ -138,16 +139,19 @@ def test_hermes_without_parallel_calls_makes_exactly_one(smollm2_case: Tokenizer
 @pytest.mark.parametrize("tool_call_format", ["hermes", "qwen3_coder"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_named_function_is_the_only_one_called(tokenizer_case: TokenizerCase, tool_call_format: str, seed: int) -> None:
-    request = ChatCompletionRequest.model_validate(
-        {
-            "model": "m",
-            "messages": [{"role": "user", "content": "book it"}],
-            "tools": [
-                {"type": "function", "function": {"name": tool.name, "parameters": tool.parameters}} for tool in TOOLS
-            ],
-            "tool_choice": {"type": "function", "function": {"name": "book_flight"}},
-            "parallel_tool_calls": False,
-        }
+    request = chat_generate(
+        ChatCompletionRequest.model_validate(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "book it"}],
+                "tools": [
+                    {"type": "function", "function": {"name": tool.name, "parameters": tool.parameters}}
+                    for tool in TOOLS
+                ],
+                "tool_choice": {"type": "function", "function": {"name": "book_flight"}},
+                "parallel_tool_calls": False,
+            }
+        )
     )
     constraint = constraint_from_request(request, tool_call_format)  # type: ignore[arg-type]
     assert isinstance(constraint, ToolCallConstraint)

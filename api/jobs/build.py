@@ -1,0 +1,219 @@
+"""Wire requests → contract jobs: every entry point (chat, completions, Responses, Messages,
+embeddings, tokenize, batch lines, background jobs) builds its job here, so the same content
+becomes the same engine request whichever protocol it came in.
+
+Everything that can be checked without the model's tokenizer is checked here and answered at
+once as a 400 naming the field; what needs the tokenizer or the worker's configuration (context
+room, vocabulary range, the chat template, tool support, the grammar) is checked by the worker.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from api.wire.openai.chat_request import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    ChatMessage,
+    MessageContent,
+    NamedToolChoice,
+    SystemMessage,
+    ToolDefinition,
+    ToolMessage,
+)
+from api.wire.openai.completion_request import CompletionRequest
+from api.wire.openai.embeddings import EmbeddingRequest
+from api.wire.openai.sampling_fields import SamplingFields
+from shared.contract import (
+    AnyJob,
+    ChatJob,
+    CompletionJob,
+    Delivery,
+    Embed,
+    EmbeddingJob,
+    Generate,
+    Message,
+    OutputFormat,
+    Sampling,
+    Tokenize,
+    TokenizeJob,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
+from shared.errors import ErrorKind, RelayError
+
+SubmittableRequest = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+INTERACTIVE, BATCH = 0, 1
+
+
+def job_id_for(prefix: str, request_id: str, is_ours: bool) -> str:
+    """The response id carries the request id; a client's id gets a suffix, since clients may reuse ids."""
+    return f"{prefix}-{request_id}" if is_ours else f"{prefix}-{request_id}-{uuid.uuid4().hex[:8]}"
+
+
+def make_job(
+    request: SubmittableRequest,
+    request_id: str,
+    is_ours: bool,
+    tenant: str | None = None,
+    priority: int = INTERACTIVE,
+) -> AnyJob:
+    """``tenant``: the owner id of the API key that asks (None without keys); ``priority``:
+    ``BATCH`` for batch lines. RelayError (400) for what the request cannot be."""
+    created = int(time.time())
+    if isinstance(request, ChatCompletionRequest):
+        return ChatJob(
+            job_id=job_id_for("chatcmpl", request_id, is_ours), request_id=request_id, created=created,
+            tenant=tenant, request=chat_generate(request, priority), delivery=_delivery(request),
+        )  # fmt: skip
+    if isinstance(request, CompletionRequest):
+        return CompletionJob(
+            job_id=job_id_for("cmpl", request_id, is_ours), request_id=request_id, created=created, tenant=tenant,
+            request=completion_generate(request, priority), delivery=_delivery(request, echo=request.echo),
+        )  # fmt: skip
+    return EmbeddingJob(
+        job_id=job_id_for("embd", request_id, is_ours), request_id=request_id, created=created, tenant=tenant,
+        request=Embed(model=request.model, inputs=request.inputs, dimensions=request.dimensions),
+        delivery=Delivery(encoding_format=request.encoding_format),
+    )  # fmt: skip
+
+
+def tokenize_job(request: Tokenize, request_id: str, is_ours: bool, tenant: str | None) -> TokenizeJob:
+    job_id = job_id_for("tok", request_id, is_ours)
+    return TokenizeJob(job_id=job_id, request_id=request_id, created=int(time.time()), tenant=tenant, request=request)
+
+
+def _delivery(request: SamplingFields, echo: bool = False) -> Delivery:
+    background = isinstance(request, ChatCompletionRequest) and request.background
+    return Delivery(
+        stream=request.stream, include_usage=request.include_usage, resumable=request.resumable,
+        background=background, echo=echo,
+    )  # fmt: skip
+
+
+# -- chat ---------------------------------------------------------------------------------------
+
+
+def chat_generate(request: ChatCompletionRequest, priority: int = INTERACTIVE) -> Generate:
+    """The engine request of a chat request (also of Responses and Messages, which become one)."""
+    tool_choice, tool_name = _tool_choice(request)
+    generate = Generate(
+        model=request.model,
+        messages=[_message(message) for message in request.messages],
+        tools=[_tool(tool) for tool in request.tools or []],
+        tool_choice=tool_choice,
+        tool_name=tool_name,
+        parallel_tool_calls=request.parallel_tool_calls,
+        output=_output_format(request),
+        chat_template_kwargs=request.chat_template_kwargs or {},
+        sampling=_sampling(request, request.max_new_tokens, request.max_new_tokens_param, request.logprob_count),
+        priority=priority,
+    )
+    if generate.is_constrained:
+        _check_constrainable(request)
+    return generate
+
+
+def _text(content: MessageContent | None) -> str:
+    """Text parts are joined with newlines, as vLLM does for text-only templates."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content)
+
+
+def _message(message: ChatMessage) -> Message:
+    if isinstance(message, SystemMessage):
+        return Message(role="system", content=_text(message.content))
+    if isinstance(message, AssistantMessage):
+        calls = [
+            ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments) for c in message.tool_calls or []
+        ]
+        return Message(
+            role="assistant", content=_text(message.content), tool_calls=calls,
+            reasoning_content=message.reasoning_content,
+        )  # fmt: skip
+    if isinstance(message, ToolMessage):
+        return Message(role="tool", content=_text(message.content), tool_call_id=message.tool_call_id)
+    return Message(role="user", content=_text(message.content))
+
+
+def _tool(tool: ToolDefinition) -> Tool:
+    function = tool.function
+    return Tool(
+        name=function.name, description=function.description, parameters=function.parameters, strict=function.strict
+    )
+
+
+def _tool_choice(request: ChatCompletionRequest) -> tuple[ToolChoice, str | None]:
+    choice = request.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        if not request.tools:
+            raise RelayError(ErrorKind.INVALID_REQUEST, "tool_choice requires 'tools' to be set", "tool_choice")
+        if all(tool.function.name != choice.function.name for tool in request.tools):
+            message = f"tool_choice names {choice.function.name!r}, which is not in 'tools'"
+            raise RelayError(ErrorKind.INVALID_REQUEST, message, "tool_choice")
+        return "function", choice.function.name
+    if choice == "required" and not request.tools:
+        raise RelayError(ErrorKind.INVALID_REQUEST, "tool_choice requires 'tools' to be set", "tool_choice")
+    return choice or "auto", None
+
+
+def _output_format(request: ChatCompletionRequest) -> OutputFormat | None:
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return OutputFormat(type="json_object")
+    block = response_format.json_schema
+    if block is None:
+        message = "response_format json_schema requires 'json_schema'"
+        raise RelayError(ErrorKind.INVALID_REQUEST, message, "response_format")
+    # OpenAI makes the schema optional; without one the only promise left is a JSON object.
+    return OutputFormat(type="json_schema", json_schema=block.schema_, strict=bool(block.strict))
+
+
+def _check_constrainable(request: ChatCompletionRequest) -> None:
+    """A grammar ends in the stop token; settings that forbid or ignore it cannot be honoured."""
+    for name in ("ignore_eos", "min_tokens"):
+        if getattr(request, name):
+            message = f"{name} cannot be combined with response_format or a forced tool_choice"
+            raise RelayError(ErrorKind.INVALID_REQUEST, message, name)
+
+
+# -- completions and the fields both share ------------------------------------------------------
+
+
+def completion_generate(request: CompletionRequest, priority: int = INTERACTIVE) -> Generate:
+    return Generate(
+        model=request.model,
+        prompts=request.prompts,
+        sampling=_sampling(request, request.max_tokens, "max_tokens", request.logprobs),
+        priority=priority,
+    )
+
+
+def _sampling(request: SamplingFields, max_tokens: int | None, max_tokens_param: str, logprobs: int | None) -> Sampling:
+    return Sampling(
+        n=request.n,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=max(request.top_k, 0),
+        min_p=request.min_p,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        seed=request.seed,
+        logit_bias=[(int(token), bias) for token, bias in (request.logit_bias or {}).items()],
+        logprobs=logprobs,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        min_tokens=request.min_tokens,
+        ignore_eos=request.ignore_eos,
+        stop=request.stop_sequences,
+        stop_token_ids=list(request.stop_token_ids or ()),
+        skip_special_tokens=request.skip_special_tokens,
+    )

@@ -1,0 +1,155 @@
+"""``POST /v1/chat/completions`` request body, mirroring OpenAI's names and field order.
+
+Fields marked "extension" are not in the OpenAI spec; they follow vLLM's names so clients that
+already send them (``top_k``, ``min_p``, ``repetition_penalty``, ``chat_template_kwargs``…) work.
+Unknown fields are accepted and ignored, as OpenAI-compatible clients often send extra ones.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from api.wire.openai.sampling_fields import SamplingFields
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class TextContentPart(_Wire):
+    type: Literal["text"]
+    text: str
+
+
+ContentPart = Annotated[TextContentPart, Field(discriminator="type")]
+# OpenAI rejects an empty content array ("expected an array with minimum length 1").
+MessageContent = str | Annotated[list[ContentPart], Field(min_length=1)]
+
+
+class FunctionCall(_Wire):
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string, as the model produced them.")
+
+
+class ToolCall(_Wire):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(_Wire):
+    role: Literal["system", "developer"]
+    content: MessageContent
+    name: str | None = None
+
+
+class UserMessage(_Wire):
+    role: Literal["user"]
+    content: MessageContent
+    name: str | None = None
+
+
+class AssistantMessage(_Wire):
+    role: Literal["assistant"]
+    content: MessageContent | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = Field(
+        default=None, description="Extension: the reasoning of an earlier turn, for templates that render it."
+    )
+
+    @model_validator(mode="after")
+    def _has_content_or_calls(self) -> AssistantMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs 'content' or 'tool_calls'")
+        return self
+
+
+class ToolMessage(_Wire):
+    role: Literal["tool"]
+    content: MessageContent
+    tool_call_id: str
+
+
+ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionDefinition(_Wire):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Wire):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Wire):
+    name: str
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Wire):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """The OpenAI chat request."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="Deprecated by OpenAI in favour of max_completion_tokens."
+    )
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="Extension: extra variables for the chat template, e.g. enable_thinking."
+    )
+    background: bool = Field(
+        default=False,
+        description="Extension (OpenAI's background mode): answer at once with an id; poll "
+        "GET /v1/chat/completions/{id} for the result.",
+    )
+
+    @model_validator(mode="after")
+    def _logprob_rules(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        if self.background and self.stream:
+            raise ValueError("background=true cannot be combined with stream=true; poll the job by id instead")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """``max_completion_tokens`` wins over the deprecated ``max_tokens``, as in OpenAI's API."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_new_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; k: the chosen token's and the k most likely."""
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,235 @@
+"""The OpenAI Responses API request (``POST /v1/responses``), and its translation into the chat
+request every worker already runs: like the Messages API, a wire format on the same jobs.
+
+Input items: messages (text parts), ``function_call`` (an earlier call of the model),
+``function_call_output`` (its result) and ``reasoning`` (earlier reasoning text). Hosted tools,
+images and files are refused with a 400 naming them: relaylm runs local text models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from api.wire.openai.chat_request import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    SystemMessage,
+    ToolCall,
+    ToolDefinition,
+    ToolMessage,
+    UserMessage,
+)
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class InputText(_Wire):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class MessageItem(_Wire):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | Annotated[list[InputText], Field(min_length=1)]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(_Wire):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+    id: str | None = None
+
+
+class FunctionCallOutputItem(_Wire):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[InputText]
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+class ReasoningText(_Wire):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Wire):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or self.summary)
+
+
+def _item_kind(value: Any) -> str:
+    """An item's ``type``; a message may leave it out (the SDK's "easy" input message)."""
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+    return str(kind)
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(_Wire):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(_Wire):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Wire):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(_Wire):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_Wire):
+    model: str = Field(min_length=1)
+    input: str | list[InputItem]
+    instructions: str | None = None
+    stream: bool = False
+    store: bool = True
+    background: bool = False
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    def input_items(self) -> list[InputItem]:
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+
+def to_chat_request(request: ResponsesRequest, history: list[InputItem]) -> ChatCompletionRequest:
+    """The conversation (``history``: a stored earlier turn's input and output items, for
+    ``previous_response_id``; then this request's input) as an OpenAI chat request."""
+    messages: list[ChatMessage] = []
+    if request.instructions:
+        messages.append(SystemMessage(role="system", content=request.instructions))
+    messages += chat_messages([*history, *request.input_items()])
+    fields: dict[str, Any] = {
+        "model": request.model,
+        "messages": messages,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "stream": request.stream,
+    }
+    if request.stream:
+        fields["stream_options"] = {"include_usage": True}
+    if request.max_output_tokens is not None:
+        fields["max_completion_tokens"] = request.max_output_tokens
+    if request.user:
+        fields["user"] = request.user
+    if request.tools:
+        fields["tools"] = [
+            ToolDefinition(
+                function=FunctionDefinition(
+                    name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
+                )
+            )
+            for tool in request.tools
+        ]
+        choice = request.tool_choice
+        fields["tool_choice"] = (
+            NamedToolChoice(function=NamedFunction(name=choice.name))
+            if isinstance(choice, NamedFunctionChoice)
+            else choice
+        )
+    elif request.tool_choice == "required" or isinstance(request.tool_choice, NamedFunctionChoice):
+        raise ValueError("tool_choice needs tools")
+    text_format = request.text.format if request.text is not None else None
+    if text_format is not None and text_format.type != "text":
+        schema = None
+        if text_format.type == "json_schema":
+            schema = JsonSchemaFormat(
+                name=text_format.name or "output", schema=text_format.schema_, strict=text_format.strict
+            )
+        fields["response_format"] = ResponseFormat(type=text_format.type, json_schema=schema)
+    if request.reasoning is not None and request.reasoning.effort is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": request.reasoning.effort not in ("none", "minimal")}
+    return ChatCompletionRequest.model_validate(fields)
+
+
+def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
+    """Items in order; consecutive function calls (with the reasoning and text before them) form
+    one assistant turn, as chat templates expect."""
+    messages: list[ChatMessage] = []
+    pending_reasoning = ""
+    for item in items:
+        if isinstance(item, ReasoningItem):
+            pending_reasoning += item.text
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            last = messages[-1] if messages else None
+            if isinstance(last, AssistantMessage) and not pending_reasoning:
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(
+                    AssistantMessage(role="assistant", tool_calls=[call], reasoning_content=pending_reasoning or None)
+                )
+                pending_reasoning = ""
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append(ToolMessage(role="tool", tool_call_id=item.call_id, content=item.text))
+        elif item.role == "assistant":
+            messages.append(
+                AssistantMessage(role="assistant", content=item.text, reasoning_content=pending_reasoning or None)
+            )
+            pending_reasoning = ""
+        elif item.role in ("system", "developer"):
+            messages.append(SystemMessage(role=item.role, content=item.text))
+        else:
+            messages.append(UserMessage(role="user", content=item.text))
+    return messages

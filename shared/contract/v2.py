@@ -1,0 +1,185 @@
+"""Version 2 of the job contract: the engine-native request and the job around it.
+
+Every model forbids unknown fields, so a payload of this version is read exactly or not at all.
+A change of shape is a new version (a module beside this one, and an upgrade from this one).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+VERSION = 2
+
+
+class _Contract(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# -- generation ---------------------------------------------------------------------------------
+
+
+class ToolCall(_Contract):
+    """A call an earlier assistant turn made (for the chat template)."""
+
+    id: str
+    name: str
+    arguments: str = Field(description="The arguments as JSON text, as the model produced them.")
+
+
+class Message(_Contract):
+    """One chat turn, in the roles chat templates know; text parts are already joined."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class Tool(_Contract):
+    """A function the model may call: OpenAI's function definition, field for field."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+ToolChoice = Literal["auto", "none", "required", "function"]
+"""``function``: exactly one call of ``Generate.tool_name``."""
+
+
+class OutputFormat(_Contract):
+    """A constraint on the text itself: any JSON object, or JSON valid against ``json_schema``."""
+
+    type: Literal["json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = Field(default=None, description="None with json_schema: any JSON object.")
+    strict: bool = False
+
+
+class Sampling(_Contract):
+    """Everything that becomes the engine's sampling parameters, in engine terms."""
+
+    n: int = Field(default=1, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = Field(default=0, ge=0, description="0: every token.")
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list)
+    logprobs: int | None = Field(default=None, description="None: none; k: the chosen token's and the k likeliest.")
+    max_tokens: int | None = Field(default=None, description="None: as many as the context has room for.")
+    max_tokens_param: str = Field(default="max_tokens", description="The client's name for it, for error messages.")
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    skip_special_tokens: bool = True
+
+
+class Generate(_Contract):
+    """Generate from chat ``messages`` (through the model's chat template) or raw ``prompts``."""
+
+    task: Literal["generate"] = "generate"
+    model: str
+    messages: list[Message] | None = None
+    prompts: list[str] | list[list[int]] | None = Field(
+        default=None, description="Text or token-id prompts; each gets ``n`` choices."
+    )
+    tools: list[Tool] = Field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    output: OutputFormat | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    sampling: Sampling = Field(default_factory=Sampling)
+    priority: int = Field(default=0, description="0: interactive; 1: batch lines (run with spare capacity).")
+
+    @property
+    def n(self) -> int:
+        return self.sampling.n
+
+    @property
+    def is_constrained(self) -> bool:
+        """The grammar decides the output: a forced tool call or a JSON output format."""
+        return self.tool_choice in ("required", "function") or self.output is not None
+
+
+class Embed(_Contract):
+    task: Literal["embed"] = "embed"
+    model: str
+    inputs: list[str] | list[list[int]]
+    dimensions: int | None = None
+
+
+class Tokenize(_Contract):
+    """Exactly one of ``chat`` (the prompt it renders to), ``prompt`` (a text's tokens) and
+    ``tokens`` (their text): count_tokens, /tokenize, /detokenize. Nothing is generated."""
+
+    task: Literal["tokenize"] = "tokenize"
+    model: str
+    chat: Generate | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    tokens: list[int] | None = None
+
+
+# -- the job ------------------------------------------------------------------------------------
+
+
+class Delivery(_Contract):
+    """How the API renders the job's events for its client; workers never read it."""
+
+    stream: bool = False
+    include_usage: bool = False
+    resumable: bool = Field(default=False, description="Keep running when the client leaves (Last-Event-ID).")
+    background: bool = False
+    echo: bool = Field(default=False, description="A completion's text starts with its prompt.")
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class _Job(_Contract):
+    version: Literal[2] = 2
+    job_id: str = Field(description="Also the response id, e.g. chatcmpl-… or cmpl-….")
+    request_id: str | None = Field(default=None, description="X-Request-Id, for following the job through logs.")
+    created: int = Field(description="Unix seconds, the `created` of every chunk.")
+    tenant: str | None = Field(default=None, description="Owner id (keyed hash) of the API key; None without keys.")
+    delivery: Delivery = Field(default_factory=Delivery)
+
+    @property
+    def model(self) -> str:
+        return self.request.model  # type: ignore[attr-defined]
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt: a generation's ``n``, one for anything else."""
+        request = self.request  # type: ignore[attr-defined]
+        return request.sampling.n if isinstance(request, Generate) else 1
+
+
+class ChatJob(_Job):
+    kind: Literal["chat"] = "chat"
+    request: Generate
+
+
+class CompletionJob(_Job):
+    kind: Literal["completion"] = "completion"
+    request: Generate
+
+
+class EmbeddingJob(_Job):
+    kind: Literal["embedding"] = "embedding"
+    request: Embed
+
+
+class TokenizeJob(_Job):
+    kind: Literal["tokenize"] = "tokenize"
+    request: Tokenize
+
+
+AnyJob = ChatJob | CompletionJob | EmbeddingJob | TokenizeJob

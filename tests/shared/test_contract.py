@@ -1,0 +1,239 @@
+"""The job contract: versioned decode (this version, version 1 as its release wrote it, newer
+versions refused), and one engine request per content whichever entry point built the job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from api.batches.validation import REQUEST_MODELS
+from api.jobs.build import BATCH, chat_generate, make_job, tokenize_job
+from api.wire.anthropic import MessagesRequest
+from api.wire.anthropic import to_chat_request as messages_to_chat
+from api.wire.openai.chat_request import ChatCompletionRequest
+from api.wire.openai.completion_request import CompletionRequest
+from api.wire.openai.embeddings import EmbeddingRequest
+from api.wire.responses import ResponsesRequest
+from api.wire.responses import to_chat_request as responses_to_chat
+from shared.contract import (
+    CONTRACT_VERSION,
+    AnyJob,
+    ChatJob,
+    Generate,
+    NewerContract,
+    Tokenize,
+    UnreadableJob,
+    decode_job,
+    encode_job,
+)
+from shared.errors import RelayError
+
+V1_JOBS: dict[str, dict[str, Any]] = json.loads(
+    (Path(__file__).parent / "fixtures" / "contract_v1_jobs.json").read_text()
+)
+_IDS = {"job_id": "j", "request_id": "r", "created": 1764000000, "tenant": "owner-1"}
+
+
+def _v2_job(kind: str, wire: dict[str, Any]) -> AnyJob:
+    """The job today's API builds from the wire request a version-1 API turned into ``payload``."""
+    if kind == "tokenize":
+        chat = wire.get("chat")
+        fields = {key: value for key, value in wire.items() if key != "chat"}
+        request = Tokenize(**fields, chat=chat_generate(ChatCompletionRequest.model_validate(chat)) if chat else None)
+        job: AnyJob = tokenize_job(request, "r", True, "owner-1")
+    else:
+        model = {"chat": ChatCompletionRequest, "completion": CompletionRequest, "embedding": EmbeddingRequest}[kind]
+        job = make_job(model.model_validate(wire), "r", True, "owner-1")
+    return job.model_copy(update=_IDS)
+
+
+@pytest.mark.parametrize("name", sorted(V1_JOBS))
+def test_a_version_1_job_reads_as_the_job_this_api_builds(name: str) -> None:
+    case = V1_JOBS[name]
+    upgraded = decode_job(case["payload"].encode())
+    assert upgraded.model_copy(update=_IDS) == _v2_job(case["kind"], case["wire"])
+
+
+@pytest.mark.parametrize("name", sorted(V1_JOBS))
+def test_this_version_round_trips(name: str) -> None:
+    case = V1_JOBS[name]
+    job = _v2_job(case["kind"], case["wire"])
+    payload = encode_job(job)
+    assert json.loads(payload)["version"] == CONTRACT_VERSION
+    assert decode_job(payload) == job
+
+
+def test_big_integers_in_tool_schemas_survive() -> None:
+    job = decode_job(V1_JOBS["chat_json_schema"]["payload"].encode())
+    assert isinstance(job, ChatJob) and job.request.output is not None
+    schema = job.request.output.json_schema
+    assert schema is not None and schema["properties"]["n"]["maximum"] == 123456789012345678901234567890
+
+
+def test_a_newer_version_is_refused_not_misread() -> None:
+    payload = json.loads(encode_job(_v2_job("chat", V1_JOBS["chat_minimal"]["wire"])))
+    with pytest.raises(NewerContract) as raised:
+        decode_job(json.dumps({**payload, "version": CONTRACT_VERSION + 1}).encode())
+    assert raised.value.version == CONTRACT_VERSION + 1
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"not json",
+        b"[1, 2]",
+        b'{"version": 0, "kind": "chat"}',
+        b'{"version": "2", "kind": "chat"}',
+        b'{"kind": "nonsense", "request": {}}',
+        b'{"kind": "chat", "job_id": "j", "created": 1}',
+    ],
+)
+def test_what_is_not_a_job_is_unreadable(payload: bytes) -> None:
+    with pytest.raises(UnreadableJob):
+        decode_job(payload)
+
+
+def test_a_field_this_version_does_not_have_is_refused() -> None:
+    """Within a version nothing is ignored: a payload with an unknown field is not read at all."""
+    payload = json.loads(encode_job(_v2_job("chat", V1_JOBS["chat_minimal"]["wire"])))
+    payload["request"]["sampling"]["typical_p"] = 0.5
+    with pytest.raises(UnreadableJob):
+        decode_job(json.dumps(payload).encode())
+
+
+# -- every entry point, one engine request --------------------------------------------------------
+
+_SYSTEM = "Answer in one word."
+_QUESTION = "Which city is the capital of France?"
+_CHAT = {
+    "model": "m",
+    "messages": [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": _QUESTION}],
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "max_completion_tokens": 32,
+    "stop": ["\n\n"],
+    "tools": [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
+}
+
+
+def _generate(job: AnyJob) -> Generate:
+    assert isinstance(job, ChatJob)
+    return job.request
+
+
+def test_chat_responses_messages_batch_and_background_build_the_same_engine_request() -> None:
+    chat = make_job(ChatCompletionRequest.model_validate(_CHAT), "r", True)
+    background = make_job(ChatCompletionRequest.model_validate({**_CHAT, "background": True}), "r", True)
+    batch_line = make_job(REQUEST_MODELS["/v1/chat/completions"].model_validate(_CHAT), "r", True, priority=BATCH)  # type: ignore[arg-type]
+    responses = ResponsesRequest.model_validate(
+        {
+            "model": "m", "instructions": _SYSTEM, "input": _QUESTION, "temperature": 0.5, "top_p": 0.9,
+            "max_output_tokens": 32,
+            "tools": [{"type": "function", "name": "lookup", "parameters": {"type": "object"}}],
+        }
+    )  # fmt: skip
+    messages = MessagesRequest.model_validate(
+        {
+            "model": "m", "system": _SYSTEM, "messages": [{"role": "user", "content": _QUESTION}], "temperature": 0.5,
+            "top_p": 0.9, "max_tokens": 32, "stop_sequences": ["\n\n"],
+            "tools": [{"name": "lookup", "input_schema": {"type": "object"}}],
+        }
+    )  # fmt: skip
+    expected = _generate(chat)
+    assert _generate(background) == expected
+    assert _generate(batch_line) == expected.model_copy(update={"priority": BATCH})
+    via_responses = _generate(make_job(responses_to_chat(responses, []), "r", True))
+    via_messages = _generate(make_job(messages_to_chat(messages), "r", True))
+    # Each protocol names its stops and token limit its own way; the rest is the same request.
+    sampling = {"max_tokens_param": expected.sampling.max_tokens_param}
+    assert (
+        via_responses.model_copy(
+            update={"sampling": via_responses.sampling.model_copy(update={**sampling, "stop": ["\n\n"]})}
+        )
+        == expected
+    )
+    assert via_messages.model_copy(update={"sampling": via_messages.sampling.model_copy(update=sampling)}) == expected
+    assert background.delivery.background and not chat.delivery.background
+
+
+def test_a_completion_batch_line_builds_the_completion_request() -> None:
+    body = {"model": "m", "prompt": ["a", "b"], "max_tokens": 8, "seed": 3}
+    direct = make_job(CompletionRequest.model_validate(body), "r", True)
+    line = make_job(REQUEST_MODELS["/v1/completions"].model_validate(body), "r", True, priority=BATCH)  # type: ignore[arg-type]
+    assert line.request == direct.request.model_copy(update={"priority": BATCH})  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+        ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_what_needs_no_tokenizer_is_refused_at_the_edge(fields: dict[str, Any], param: str) -> None:
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    )
+    with pytest.raises(RelayError) as raised:
+        chat_generate(request)
+    assert raised.value.param == param
+
+
+@given(
+    temperature=st.floats(0.0, 2.0),
+    top_k=st.integers(-1, 100),
+    seed=st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    stop=st.one_of(st.none(), st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=4)),
+    max_tokens=st.one_of(st.none(), st.integers(1, 10_000)),
+    content=st.text(max_size=40),
+)
+def test_any_sampling_round_trips_and_matches_version_1(
+    temperature: float, top_k: int, seed: int | None, stop: Any, max_tokens: int | None, content: str
+) -> None:
+    """Property: whatever the sampling fields, this version's encoding reads back as itself, and
+    the version-1 encoding of the same request reads as the same job."""
+    wire = {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": temperature,
+            "top_k": top_k, "seed": seed, "stop": stop, "max_tokens": max_tokens}  # fmt: skip
+    job = make_job(ChatCompletionRequest.model_validate(wire), "r", True).model_copy(update=_IDS)
+    assert decode_job(encode_job(job)) == job
+    v1 = {**_IDS, "kind": "chat", "request": wire}
+    assert decode_job(json.dumps(v1).encode()) == job
+
+
+# -- writing version 1 for workers of that release -------------------------------------------------
+
+_WIRE_MODELS = {"chat": ChatCompletionRequest, "completion": CompletionRequest, "embedding": EmbeddingRequest}
+
+
+@pytest.mark.parametrize("name", sorted(V1_JOBS))
+def test_a_job_written_in_version_1_reads_back_as_itself(name: str) -> None:
+    case = V1_JOBS[name]
+    job = _v2_job(case["kind"], case["wire"])
+    payload = encode_job(job, version=1)
+    assert "version" not in json.loads(payload)
+    assert decode_job(payload) == job
+
+
+@pytest.mark.parametrize("name", sorted(V1_JOBS))
+def test_version_1_as_written_is_a_valid_request_of_that_release(name: str) -> None:
+    """What a worker of version 1 validates: the OpenAI request models it shares with the API."""
+    case = V1_JOBS[name]
+    request = json.loads(encode_job(_v2_job(case["kind"], case["wire"]), version=1))["request"]
+    if case["kind"] == "tokenize":
+        if request["chat"] is not None:
+            ChatCompletionRequest.model_validate(request["chat"])
+    else:
+        _WIRE_MODELS[case["kind"]].model_validate(request)
+
+
+def test_version_1_cannot_say_a_priority_its_queue_says() -> None:
+    line = make_job(ChatCompletionRequest.model_validate(_CHAT), "r", True, priority=BATCH)
+    assert decode_job(encode_job(line, version=1)).request.priority == 0  # type: ignore[union-attr]

@@ -1,0 +1,220 @@
+"""The import structure, read from the source: the API and the workers share only ``shared/``
+(the contract, events, keys, lifecycle), no wire model reaches a worker, and neither modules nor
+folders import each other in a cycle."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("api", "worker", "shared", "relaylm")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The project module an import names (``a.b.C`` → ``a.b`` when ``C`` is not a module)."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(module: str) -> set[str]:
+    """Every project module ``module`` imports: at the top, inside functions, under TYPE_CHECKING."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        for name in names:
+            resolved = _resolve(name)
+            if resolved is not None and resolved != module:
+                found.add(resolved)
+    return found
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def _folder(module: str) -> str:
+    """A module's folder (``worker.engine``); a module at the top of a package (``api.app``,
+    ``worker.settings``) stands for itself, since the package's top holds both the modules its
+    folders build on and the one that assembles them."""
+    path = MODULES[module]
+    folder = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    return module if folder in PACKAGES else folder
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _importers(prefix: str, of: Iterable[str]) -> dict[str, list[str]]:
+    targets = tuple(of)
+    return {
+        module: sorted(t for t in imported if t.startswith(targets))
+        for module, imported in GRAPH.items()
+        if module.startswith(prefix) and any(t.startswith(targets) for t in imported)
+    }
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert _cycles(GRAPH) == []
+
+
+def test_no_folder_imports_itself_through_others() -> None:
+    folders: dict[str, set[str]] = {}
+    for module, imported in GRAPH.items():
+        folders.setdefault(_folder(module), set()).update(
+            _folder(target) for target in imported if _folder(target) != _folder(module)
+        )
+    assert _cycles(folders) == []
+
+
+@pytest.mark.parametrize(("side", "other"), [("api", "worker."), ("worker", "api."), ("shared", ("api.", "worker."))])
+def test_api_and_workers_share_only_shared(side: str, other: str | tuple[str, ...]) -> None:
+    """The worker never sees a wire model (they live in ``api.wire``); ``shared`` depends on neither side."""
+    targets = (other,) if isinstance(other, str) else other
+    assert _importers(f"{side}.", targets) == {}
+    assert _importers(f"{side}.", ("api.wire",) if side != "api" else ()) == {}
+
+
+def test_the_contract_is_what_crosses() -> None:
+    """Both sides read the job through ``shared.contract``; no process-private schema is shared."""
+    worker_shared = {
+        t for m, imported in GRAPH.items() if m.startswith("worker.") for t in imported if t.startswith("shared.")
+    }
+    api_shared = {
+        t for m, imported in GRAPH.items() if m.startswith("api.") for t in imported if t.startswith("shared.")
+    }
+    assert "shared.contract" in worker_shared and "shared.contract" in api_shared
+    # Everything in shared/ is used by a process on each side of the queue, or by the command that starts both.
+    users = {
+        t for m, imported in GRAPH.items() if not m.startswith("shared.") for t in imported if t.startswith("shared.")
+    }
+    assert users | {"shared", "shared.contract.v1", "shared.contract.v2"} >= {
+        m for m in MODULES if m.startswith("shared")
+    }
+
+
+# -- one owner per job-housekeeping rule ----------------------------------------------------------
+
+
+def _calls(module: str) -> list[tuple[str, str]]:
+    """(receiver, attribute) of every method call in ``module``, e.g. ("self._lifecycle", "cancel")."""
+    tree = ast.parse(MODULES[module].read_text())
+    return [
+        (ast.unparse(node.func.value), node.func.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+    ]
+
+
+def _modules_calling(attribute: str, receiver_hint: str) -> set[str]:
+    return {
+        module
+        for module in MODULES
+        for receiver, called in _calls(module)
+        if called == attribute and receiver_hint in receiver.lower()
+    }
+
+
+def _modules_naming(name: str) -> set[str]:
+    """Modules whose source defines or uses ``name`` (a class, a function, a name or an attribute)."""
+    found = set()
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                (isinstance(node, ast.Name) and node.id == name)
+                or (isinstance(node, ast.Attribute) and node.attr == name)
+                or (isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name)
+            ):
+                found.add(module)
+                break
+    return found
+
+
+def test_the_orphan_policy_is_decided_in_one_module() -> None:
+    """Requeue-or-fail for a job whose worker is gone: one function, used by streams and the housekeeper."""
+    assert _modules_calling("reclaim", "lifecycle") == {"api.jobs.orphans"}
+    assert {m for m in _modules_naming("Orphans") if m.startswith("api.")} == {
+        "api.jobs.orphans", "api.jobs.housekeeping", "api.jobs.stream"
+    }  # fmt: skip
+
+
+def test_housekeeping_is_started_by_the_app_not_by_a_feature() -> None:
+    assert {m for m in _modules_naming("Housekeeper")} == {"api.jobs.housekeeping", "api.app"}
+    assert not GRAPH["api.batches.runner"] & {
+        "api.jobs.housekeeping",
+        "api.jobs.orphans",
+        "api.jobs.background_results",
+    }
+
+
+def test_job_state_changes_go_through_the_lifecycle() -> None:
+    """Cancelling, the background set and the cancel channel: only ``JobLifecycle`` touches them."""
+    for key in ("background_jobs", "cancel_channel"):
+        assert {m for m in _modules_naming(key) if not m.startswith("worker.")} <= {
+            "shared.job_lifecycle",
+            "shared.redis_keys",
+        }
+    cancels = {m for m in _modules_calling("cancel", "lifecycle")}
+    assert cancels and all(m.startswith("api.") for m in cancels)
+    assert _modules_calling("end", "lifecycle") <= {"api.jobs.orphans", "shared.job_lifecycle"}

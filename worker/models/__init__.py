@@ -1,0 +1,1 @@
+"""Model loading: the default GGUF, named opt-in models, local folders."""

@@ -1,0 +1,1 @@
+"""Engine requests from contract requests: chat templates, sampling parameters, tooling, model checks."""

@@ -1,0 +1,130 @@
+"""What a worker does with each kind of job, per task: a generation worker prepares chat and
+text-completion jobs for the batching engine; an embedding worker tokenizes inputs for the
+micro-batching engine. Each refuses the other's jobs with a clear 400."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from shared.contract import AnyJob, ChatJob, CompletionJob, EmbeddingJob, TokenizeJob
+from shared.errors import ErrorKind, RelayError
+from shared.events import StartEvent
+from worker.embedding.engine import EmbeddingEngine, EmbeddingWork
+from worker.embedding.loader import LoadedEmbedder
+from worker.engine.engine import LLMEngine
+from worker.engine.sequence import EngineRequest, ResumeState
+from worker.models.loader import LoadedModel
+from worker.requests.params import RequestLimits
+from worker.requests.prepare import chat_prompt_ids, prepare_chat, prepare_completion
+from worker.requests.tooling import ToolingConfig
+from worker.structured import ConstraintCompiler
+
+
+class Work(Protocol):
+    start_event: StartEvent | None
+    priority: int
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class Engine(Protocol):
+    max_running: int
+
+    def submit(self, work: EngineRequest | EmbeddingWork) -> None: ...
+
+    def abort(self, request_id: str, *args: object) -> None: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+
+class JobHandler(Protocol):
+    engine: Engine
+
+    def prepare(self, job: AnyJob, resume: ResumeState | None) -> Work:
+        """The engine's unit of work for ``job`` (continuing ``resume``); RelayError when it cannot run here."""
+
+    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
+        """The job's token ids and (detokenizing) their text; RelayError when this worker cannot tell."""
+
+
+def _wrong_task(job: AnyJob, serves: str) -> RelayError:
+    return RelayError(ErrorKind.INVALID_REQUEST, f"Model `{job.model}` serves {serves} only.", "model")
+
+
+class GenerationHandler:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        tooling: ToolingConfig,
+        engine: LLMEngine,
+        max_tokens_over_context: Literal["clamp", "error"] = "clamp",
+    ) -> None:
+        self.loaded = loaded
+        self.tooling = tooling
+        self.engine = engine
+        self.max_tokens_over_context = max_tokens_over_context
+        self._compiler: ConstraintCompiler | None = None
+
+    def get_compiler(self) -> ConstraintCompiler:
+        """Built on the first constrained request: its token trie takes about a second to make."""
+        if self._compiler is None:
+            self._compiler = ConstraintCompiler(
+                self.loaded.tokenizer, self.engine.runner.vocab_size, self.loaded.eos_token_ids
+            )
+        return self._compiler
+
+    def prepare(self, job: AnyJob, resume: ResumeState | None) -> EngineRequest:
+        limits = RequestLimits(self.engine.max_running, self.max_tokens_over_context)
+        if isinstance(job, ChatJob):
+            request = prepare_chat(job.job_id, job.request, self.loaded, self.tooling, limits, self.get_compiler)
+        elif isinstance(job, CompletionJob):
+            request = prepare_completion(job.job_id, job.request, self.loaded, limits)
+        else:
+            raise _wrong_task(job, "chat and text completions")
+        request.resume = resume
+        return request
+
+    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
+        request, tokenizer = job.request, self.loaded.tokenizer
+        if request.tokens is not None:
+            vocab_size = self.loaded.vocab_size
+            outside = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
+            if outside is not None:
+                message = f"Token id {outside} is outside this model's vocabulary [0, {vocab_size})."
+                raise RelayError(ErrorKind.INVALID_REQUEST, message, "tokens")
+            return request.tokens, tokenizer.decode(request.tokens)
+        if request.chat is not None:
+            return chat_prompt_ids(request.chat, self.loaded, self.tooling), None
+        return tokenizer.encode(request.prompt or "", add_special_tokens=request.add_special_tokens), None
+
+
+class EmbeddingHandler:
+    def __init__(self, embedder: LoadedEmbedder, engine: EmbeddingEngine) -> None:
+        self.embedder = embedder
+        self.engine = engine
+
+    def prepare(self, job: AnyJob, resume: ResumeState | None) -> EmbeddingWork:
+        """Embeddings arrive in one event: an interrupted job simply runs again."""
+        if not isinstance(job, EmbeddingJob):
+            raise _wrong_task(job, "embeddings")
+        request, embedder = job.request, self.embedder
+        if request.dimensions is not None and request.dimensions != embedder.dimensions:
+            message = f"Model `{request.model}` makes {embedder.dimensions}-dimensional embeddings only."
+            raise RelayError(ErrorKind.INVALID_REQUEST, message, "dimensions")
+        inputs = [embedder.tokenizer.encode(item) if isinstance(item, str) else list(item) for item in request.inputs]
+        vocab_size = embedder.tokenizer.vocab_size
+        if any(not 0 <= t < vocab_size for ids in inputs for t in ids):
+            raise RelayError(ErrorKind.INVALID_REQUEST, f"Token ids must be in [0, {vocab_size}).", "input")
+        longest = max(len(ids) for ids in inputs)
+        if longest > embedder.max_input_tokens:
+            message = (
+                f"This model's maximum input length is {embedder.max_input_tokens} tokens; "
+                f"an input has {longest} tokens."
+            )
+            raise RelayError(ErrorKind.CONTEXT_LENGTH_EXCEEDED, message, "input")
+        return EmbeddingWork(job.job_id, inputs, start_event=None)
+
+    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
+        raise _wrong_task(job, "embeddings")

@@ -1,0 +1,246 @@
+"""One claimed job: prepare it, hand it to the engine, wait for its last event.
+
+Every way out leaves the job in a final state or back in its queue: its final event written
+(finished, failed, timed out), a refusal (the job moved on without us: stop generating), or,
+when the worker stops before the job ends, handed back to the front of the queue so another
+worker continues it from the tokens already sent.
+
+A job written in a newer contract version than this worker reads (an upgrade under way) is
+left in its queue for a worker that reads it, and the worker's consumers pause briefly so they
+do not take it straight back; a job that no worker has taken for ``CONTRACT_GRACE_S`` fails
+with an error that says what to upgrade.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from redis.exceptions import RedisError
+
+from shared.contract import CONTRACT_VERSION, AnyJob, NewerContract, TokenizeJob, UnreadableJob, decode_job
+from shared.errors import ErrorKind, RelayError
+from shared.events import DeltaEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts
+from shared.job_lifecycle import Claim, JobLifecycle, JobState
+from shared.log_setup import log_transition
+from worker.engine.engine import RequestOutput
+from worker.engine.sequence import ResumeState
+from worker.requests.handlers import JobHandler, Work
+from worker.service.publisher import EventPublisher, PublishOutcome
+
+logger = logging.getLogger(__name__)
+
+# After a timeout abort, how long the job's error event may take to be written.
+_ABORT_GRACE_S = 10.0
+_HAND_BACK_RETRY_S = 1.0
+_HAND_BACK_TRIES = 10
+# How long a job in a contract version this worker cannot read waits for a worker that can.
+CONTRACT_GRACE_S = 60.0
+
+
+class JobRunner:
+    def __init__(
+        self,
+        lifecycle: JobLifecycle,
+        worker_id: str,
+        model_id: str,
+        handler: JobHandler,
+        publisher: EventPublisher,
+        job_timeout_s: float,
+        on_job_left: Callable[[], None] | None = None,
+    ) -> None:
+        """``on_job_left``: called after leaving a job this worker cannot read in its queue (the
+        consumers pause, so that a worker that reads it takes it)."""
+        self._lifecycle = lifecycle
+        self._worker_id = worker_id
+        self._model_id = model_id
+        self._handler = handler
+        self._engine = handler.engine
+        self._publisher = publisher
+        self._job_timeout_s = job_timeout_s
+        self._request_ids: dict[str, str | None] = {}
+        self._on_job_left = on_job_left or (lambda: None)
+
+    @property
+    def active_job_ids(self) -> list[str]:
+        return list(self._request_ids)
+
+    def cancel(self, job_id: str) -> None:
+        """The job was cancelled (its client went away): stop generating, send nothing more."""
+        if job_id in self._request_ids:
+            log_transition(logger, "cancelled", job_id, self._request_ids.get(job_id), by="client")
+            self._engine.abort(job_id)
+
+    async def run(self, claim: Claim, priority: int = 0) -> None:
+        """``priority``: 0 for the interactive queue's jobs, 1 for the batch queue's (a job's own
+        priority, if higher, wins)."""
+        job_id = claim.job_id
+        self._request_ids[job_id] = None
+        done = self._publisher.expect(job_id, claim.epoch)
+        try:
+            await self._run(claim, priority, done)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._hand_back(claim))
+            raise
+        finally:
+            self._publisher.forget(job_id)
+            self._request_ids.pop(job_id, None)
+
+    async def _run(self, claim: Claim, priority: int, done: asyncio.Future[PublishOutcome]) -> None:
+        job_id = claim.job_id
+        try:
+            job = decode_job(claim.payload)
+        except NewerContract as exc:
+            await self._leave(claim, exc.version)
+            return
+        except UnreadableJob as exc:
+            logger.error("job %s: refused a payload that is not a job (%s)", job_id, exc)
+            await self._end_with(claim, RelayError(ErrorKind.INVALID_REQUEST, "The job's request is unreadable."))
+            return
+        request_id = self._request_ids[job_id] = job.request_id
+        log_transition(logger, "picked", job_id, request_id, worker=self._worker_id, attempt=claim.attempt)
+        if isinstance(job, TokenizeJob):
+            await self._tokenize(claim, job, done)
+            return
+        resume = await self._resume_state(claim) if claim.next_seq > 0 else None
+        try:
+            work = self._prepare(job, resume)
+        except Exception as exc:
+            await self._end_with(claim, self._refusal(exc, job_id, request_id))
+            return
+        work.priority = max(priority, getattr(job.request, "priority", 0))
+        if resume is None:
+            work.start_event = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=work.num_prompt_tokens)
+        self._engine.submit(work)  # type: ignore[arg-type]
+        log_transition(logger, "started", job_id, request_id, prompt_tokens=work.num_prompt_tokens)
+        outcome = await self._wait(job_id, request_id, done)
+        if outcome is PublishOutcome.LOST:
+            self._engine.abort(job_id)
+            await self._log_loss(job_id, request_id)
+            return
+        completion_tokens = getattr(work, "num_completion_tokens", 0)
+        log_transition(logger, "finished", job_id, request_id, completion_tokens=completion_tokens)
+
+    async def _tokenize(self, claim: Claim, job: TokenizeJob, done: asyncio.Future[PublishOutcome]) -> None:
+        """Answer in a start, one delta (ids and text) and an end event; the engine never sees the job."""
+        try:
+            if job.request.model != self._model_id:
+                raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
+            token_ids, text = self._handler.tokenize(job)
+        except Exception as exc:
+            await self._end_with(claim, self._refusal(exc, claim.job_id, job.request_id))
+            return
+        count = len(token_ids)
+        events = [
+            StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=count),
+            DeltaEvent(seq=1, token_ids=token_ids, content=text),
+            EndEvent(seq=2, usage=UsageCounts(prompt_tokens=count, completion_tokens=0)),
+        ]
+        await self._publisher.publish(RequestOutput(claim.job_id, events, True))
+        await self._wait(claim.job_id, job.request_id, done)
+        log_transition(logger, "tokenized", claim.job_id, job.request_id, tokens=count)
+
+    async def _leave(self, claim: Claim, version: int) -> None:
+        """A job in a newer contract version: back to its queue for a worker that reads it, or,
+        once it has waited ``CONTRACT_GRACE_S`` since it was created, failed."""
+        created = _created_s(claim.payload)
+        if created is not None and time.time() - created > CONTRACT_GRACE_S:
+            message = (
+                f"No worker took this job within {CONTRACT_GRACE_S:.0f} s: it is written in job contract version "
+                f"{version}, and worker {self._worker_id} reads versions up to {CONTRACT_VERSION}; upgrade the "
+                f"workers of model `{self._model_id}`."
+            )
+            log_transition(logger, "rejected", claim.job_id, None, code="contract_version", version=version)
+            await self._end_with(claim, RelayError(ErrorKind.NO_LIVE_WORKER, message, "model"))
+            return
+        try:
+            left = await self._lifecycle.requeue(claim.job_id, claim.epoch)
+        except RedisError:
+            left = False  # the job is reclaimed once this worker's lease on it lapses
+        log_transition(logger, "left", claim.job_id, None, version=version, requeued=left)
+        self._on_job_left()
+
+    async def _wait(self, job_id: str, request_id: str | None, done: asyncio.Future[PublishOutcome]) -> PublishOutcome:
+        """The job's outcome; past the job timeout it is aborted with ``job_timeout``."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(done), self._job_timeout_s)
+        except TimeoutError:
+            message = f"The job ran longer than the worker's job timeout ({self._job_timeout_s:.0f} s)."
+            self._engine.abort(job_id, ErrorKind.JOB_TIMEOUT, message)
+            log_transition(logger, "timed_out", job_id, request_id, timeout_s=self._job_timeout_s)
+        try:
+            return await asyncio.wait_for(done, _ABORT_GRACE_S)
+        except TimeoutError:
+            return PublishOutcome.LOST
+
+    async def _log_loss(self, job_id: str, request_id: str | None) -> None:
+        """Why the job's writes were refused: cancelled (its client left), or taken over."""
+        try:
+            record = await self._lifecycle.record(job_id)
+        except RedisError:
+            record = None
+        if record is not None and record.state is JobState.CANCELLED:
+            log_transition(logger, "cancelled", job_id, request_id, by="client")
+        else:
+            state = record.state.value if record is not None else "gone"
+            log_transition(logger, "dropped", job_id, request_id, reason="moved on without this worker", state=state)
+
+    async def _hand_back(self, claim: Claim) -> None:
+        """The worker is stopping before the job ended: stop generating and requeue it, so another
+        worker continues from the tokens already sent."""
+        self._engine.abort(claim.job_id)
+        self._publisher.forget(claim.job_id)
+        for _ in range(_HAND_BACK_TRIES):
+            try:
+                requeued = await self._lifecycle.requeue(claim.job_id, claim.epoch)
+            except RedisError:
+                await asyncio.sleep(_HAND_BACK_RETRY_S)
+                continue
+            reason = "requeued" if requeued else "already moved on"
+            log_transition(logger, "handed_back", claim.job_id, self._request_ids.get(claim.job_id), outcome=reason)
+            return
+        logger.warning(
+            "job %s: could not hand it back; API processes requeue it once this worker is gone", claim.job_id
+        )
+
+    async def _end_with(self, claim: Claim, error: RelayError) -> None:
+        """End a job that never reached the engine with its error event."""
+        event = ErrorEvent(seq=claim.next_seq, kind=error.kind, message=error.message, param=error.param)
+        await self._publisher.publish(RequestOutput(claim.job_id, [event], True))
+
+    def _refusal(self, exc: Exception, job_id: str, request_id: str | None) -> RelayError:
+        """An unexpected exception (a bug, a tokenizer failure) must end the stream too: left
+        unpublished, the client would wait on a job its live worker has already given up."""
+        if not isinstance(exc, RelayError):
+            logger.exception("job %s: preparing the request failed", job_id)
+            exc = RelayError(ErrorKind.INTERNAL, "The worker failed to prepare this request.")
+        log_transition(logger, "rejected", job_id, request_id, code=exc.spec.code or exc.kind.value)
+        return exc
+
+    def _prepare(self, job: AnyJob, resume: ResumeState | None) -> Work:
+        if job.request.model != self._model_id:
+            raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
+        return self._handler.prepare(job, resume)
+
+    async def _resume_state(self, claim: Claim) -> ResumeState:
+        """What the job's earlier attempts sent, from its event log."""
+        sent: dict[int, list[int]] = {}
+        finished: set[int] = set()
+        for event in await self._lifecycle.read_log(claim.job_id):
+            if isinstance(event, DeltaEvent):
+                sent.setdefault(event.index, []).extend(event.token_ids)
+                if event.finish_reason is not None:
+                    finished.add(event.index)
+        return ResumeState(claim.next_seq, sent, frozenset(finished))
+
+
+def _created_s(payload: bytes) -> float | None:
+    """The Unix time a job was created, read from a payload of any version that names it."""
+    try:
+        created = json.loads(payload).get("created")
+    except (ValueError, AttributeError):
+        return None
+    return float(created) if isinstance(created, int | float) and not isinstance(created, bool) else None

@@ -1,0 +1,326 @@
+"""Worker process: register, load the model, start the engine, claim the model's jobs, and on
+SIGTERM/SIGINT drain within ``drain_timeout_s`` (then hand unfinished jobs back) before leaving."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import torch
+from redis.exceptions import RedisError
+
+from shared.connection import RedisRefused, connect_redis, wait_for_redis
+from shared.job_lifecycle import Claim, JobLifecycle
+from shared.log_setup import configure_logging
+from worker.embedding.engine import EmbeddingEngine
+from worker.embedding.loader import LoadedEmbedder, is_embedding_model, load_embedder
+from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
+from worker.engine.engine import LLMEngine
+from worker.engine.self_test import check_determinism
+from worker.models.loader import LoadedModel, load_model
+from worker.native.compiled_decode import CompiledDecode, can_compile
+from worker.native.decoder import NativeCausalLM
+from worker.requests.handlers import EmbeddingHandler, Engine, GenerationHandler, JobHandler
+from worker.requests.tooling import resolve_tooling
+from worker.service.control import ControlListener
+from worker.service.engine_thread import EngineThread
+from worker.service.host_pool import HostPool
+from worker.service.job_runner import JobRunner
+from worker.service.publisher import EventPublisher
+from worker.service.queue_consumer import QueueConsumer
+from worker.service.registry import WorkerRegistration
+from worker.service.thread_budget import available_cores, cpu_set
+from worker.settings import WorkerSettings
+
+logger = logging.getLogger("relaylm.worker")
+
+
+def make_consumer(
+    settings: WorkerSettings,
+    lifecycle: JobLifecycle,
+    instance: str,
+    runner: JobRunner,
+    num_slots: int,
+    queue: str,
+    priority: int = 0,
+    claim_gate: Callable[[], bool] | None = None,
+    claim_min_wait_s: Callable[[], float] | None = None,
+    on_jobs_changed: Callable[[], None] | None = None,
+) -> QueueConsumer:
+    async def run_job(claim: Claim) -> None:
+        await runner.run(claim, priority)
+
+    return QueueConsumer(
+        lifecycle, queue, settings.worker_id, instance, num_slots, run_job, settings.poll_delay_s, claim_gate,
+        claim_min_wait_s, on_jobs_changed,
+    )  # fmt: skip
+
+
+# After leaving a job it cannot read, a worker takes nothing for this long: a worker that reads
+# the job takes it meanwhile.
+_LEFT_JOB_PAUSE_S = 1.0
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop died under a running worker."""
+
+
+class WorkerProcess:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.keys = settings.keys
+        self.task = resolve_task(settings)
+        self.redis = connect_redis(settings.redis_url)
+        self.lifecycle = JobLifecycle(self.redis, self.keys)
+        self.registration = WorkerRegistration(
+            self.redis, self.keys, settings.worker_id, settings.model_id, settings.heartbeat_interval_s, self.task,
+            cpus=cpu_set(), sizes_own_threads=settings.num_threads is None,
+        )  # fmt: skip
+        self.publisher = EventPublisher(settings.redis_url, self.keys)
+        # Before the model loads: this worker's share of the host's cores (refined once registered).
+        initial_threads = settings.num_threads or available_cores()
+        if self.task == "embed":
+            self.engine_thread = EngineThread(self._load_embedder, self._build_embedding_engine, initial_threads)
+        else:
+            self.engine_thread = EngineThread(self._load, self._build, initial_threads)
+        self.host_pool = HostPool(
+            self.redis, self.keys, self.registration.info, available_cores(), settings.num_threads,
+            self.engine_thread.set_num_threads,
+        )  # fmt: skip
+        self._was_busy = False
+        self._beats: set[asyncio.Task[None]] = set()
+
+    def _load(self) -> LoadedModel:
+        s = self.settings
+        return load_model(
+            s.model, s.cache_dir, s.device, s.dtype, s.max_model_len, s.model_impl, s.quantization,
+            deterministic=s.deterministic == "on",
+        )  # fmt: skip
+
+    def _build(self, loaded: LoadedModel) -> LLMEngine:
+        s = self.settings
+        config = EngineConfig(
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens or default_max_num_batched_tokens(loaded.model.device),
+            max_model_len=loaded.max_model_len,
+            kv_cache_bytes=int(s.kv_cache_memory_gib * 2**30),
+            prefix_cache_bytes=int(s.prefix_cache_memory_gib * 2**30),
+        )
+        engine = build_engine(loaded.model, loaded.tokenizer, config, loaded.eos_token_ids, self.publisher.sink)
+        self._test_determinism(loaded)
+        self._compile_decode(loaded, engine)
+        return engine
+
+    def _test_determinism(self, loaded: LoadedModel) -> None:
+        """Claim the deterministic promise only where the whole step keeps it on this machine."""
+        model = loaded.model
+        if not (isinstance(model, NativeCausalLM) and model.deterministic):
+            return
+        cores = len(os.sched_getaffinity(0))
+        result = check_determinism(model, loaded.tokenizer, loaded.eos_token_ids, {1, cores})
+        if result.holds:
+            logger.info("deterministic self-test passed in %.1f s (%s)", result.seconds, result.detail)
+        else:
+            logger.warning("--deterministic on: the self-test failed (%s), so this worker does not promise "
+                           "that a request's text is the same in any batch", result.detail)  # fmt: skip
+        self.registration.info.deterministic = result.holds
+
+    def _compile_decode(self, loaded: LoadedModel, engine: LLMEngine) -> None:
+        """Start building (or loading) the compiled one-row step (engine thread: its thread count)."""
+        s, model, cache = self.settings, loaded.model, engine.runner.cache
+        if s.compile_decode == "off" or not isinstance(model, NativeCausalLM) or model.device.type != "cpu":
+            return
+        if s.deterministic == "on":
+            # Alone, a row would run the compiled kernels; in a batch, the eager ones: other bits.
+            logger.info("--deterministic on: one stream's decode step stays eager (not compiled)")
+            return
+        if not can_compile():
+            logger.info("no C++ compiler on PATH: one stream's decode step stays eager")
+            return
+        build_args = [
+            "--model", s.model, "--cache-dir", str(s.cache_dir), "--device", "cpu", "--dtype", s.dtype,
+            "--max-model-len", str(loaded.max_model_len), "--model-impl", s.model_impl,
+            "--quantization", s.quantization, "--num-cache-slots", str(cache.keys[0].shape[0]),
+        ]  # fmt: skip
+        compiled = CompiledDecode(model, cache, s.cache_dir, build_args)
+        engine.runner.compiled = compiled
+        self.registration.compile_probe = lambda: compiled.state.value
+        compiled.start(torch.get_num_threads())
+
+    def _load_embedder(self) -> LoadedEmbedder:
+        return load_embedder(self.settings.model, self.settings.device, self.settings.dtype)
+
+    def _build_embedding_engine(self, embedder: LoadedEmbedder) -> EmbeddingEngine:
+        return EmbeddingEngine(embedder, self.publisher.sink)
+
+    def _handler(self, loaded: LoadedModel | LoadedEmbedder, engine: Engine) -> JobHandler:
+        if isinstance(loaded, LoadedEmbedder):
+            assert isinstance(engine, EmbeddingEngine)
+            return EmbeddingHandler(loaded, engine)
+        assert isinstance(engine, LLMEngine)
+        s = self.settings
+        tooling = resolve_tooling(loaded.tokenizer, s.tool_parser, s.reasoning_parser, s.generic_tool_prompt)
+        logger.info("tool parser: %s, reasoning parser: %s", tooling.tool_parser, tooling.reasoning_parser)
+        return GenerationHandler(loaded, tooling, engine, s.max_tokens_over_context)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = self.settings
+        if not await wait_for_redis(self.redis, s.redis_url, stop):
+            return
+        await self.registration.beat()
+        self.registration.start()
+        await self.host_pool.refresh()
+        self.host_pool.start()
+        logger.info("worker %s registered for model %s (%s); loading", s.worker_id, s.model_id, self.task)
+        loaded, engine = await self.engine_thread.start()
+        handler = self._handler(loaded, engine)
+        consumers: list[QueueConsumer] = []
+        runner = JobRunner(
+            self.lifecycle, s.worker_id, s.model_id, handler, self.publisher, s.job_timeout_s,
+            on_job_left=lambda: [consumer.pause(_LEFT_JOB_PAUSE_S) for consumer in consumers],
+        )  # fmt: skip
+        consumers.extend(self._consumers(runner, engine))
+        self.registration.jobs_probe = lambda: sum(consumer.num_jobs_running for consumer in consumers)
+        listener = ControlListener(
+            self.redis,
+            {
+                self.keys.queue_wake_channel(s.model_id): lambda _data: [c.wake() for c in consumers],
+                self.keys.cancel_channel(): lambda data: runner.cancel(data.decode()),
+            },
+        )
+        await listener.start()
+        max_len = loaded.max_input_tokens if isinstance(loaded, LoadedEmbedder) else loaded.max_model_len
+        self.registration.set_ready(engine.max_running, max_len, engine.load)
+        await self.registration.beat()
+        consume = asyncio.gather(*(consumer.main() for consumer in consumers))
+        logger.info(
+            "worker %s ready: model %s (%s, %s), max length %d, max concurrency %d",
+            s.worker_id, s.model_id, self.task, loaded.source, max_len, engine.max_running,
+        )  # fmt: skip
+        stopped = asyncio.create_task(stop.wait())
+        engine_exited = asyncio.create_task(self.engine_thread.exited())
+        await asyncio.wait({consume, stopped, engine_exited}, return_when=asyncio.FIRST_COMPLETED)
+        if consume.done() and consume.exception() is not None:
+            logger.error("queue consumer failed: %r", consume.exception())
+        if engine_exited.done():
+            # Leave the registry at once: APIs hand this worker's jobs to another worker (or end
+            # their streams) within one liveness check instead of waiting on a dead engine.
+            await self.registration.stop()
+            await _stop_consuming(consume, listener)
+            for consumer in consumers:
+                await consumer.cancel_running()  # hand the jobs back for another worker
+            await self._disconnect()
+            raise EngineStopped(f"the engine stopped ({engine_exited.exception()!r}); exiting")
+        await self._shutdown(engine, consumers, consume, listener)
+
+    async def _disconnect(self) -> None:
+        await self.host_pool.stop()
+        self.publisher.close()
+        await self.redis.aclose()
+
+    def _consumers(self, runner: JobRunner, engine: LLMEngine | EmbeddingEngine) -> list[QueueConsumer]:
+        """The model's interactive queue, and its batch queue: batch lines take only the slots
+        interactive work leaves, never the reserved ones, and wait while requests queue in the engine."""
+        s = self.settings
+        instance = self.registration.info.instance
+        min_wait, changed = self.host_pool.claim_min_wait_s, self._jobs_changed
+        interactive = make_consumer(
+            s, self.lifecycle, instance, runner, engine.max_running, self.keys.queue(s.model_id),
+            claim_min_wait_s=min_wait, on_jobs_changed=changed,
+        )  # fmt: skip
+        reserved = s.batch_reserved_slots if s.batch_reserved_slots is not None else engine.max_running // 2
+        batch_slots = max(1, engine.max_running - reserved)
+
+        def has_room_for_batch() -> bool:
+            busy = interactive.num_jobs_running + batch.num_jobs_running
+            return busy < batch_slots and engine.num_waiting == 0
+
+        batch = make_consumer(
+            s, self.lifecycle, instance, runner, batch_slots, self.keys.batch_queue(s.model_id), priority=1,
+            claim_gate=has_room_for_batch, claim_min_wait_s=min_wait, on_jobs_changed=changed,
+        )  # fmt: skip
+        return [interactive, batch]
+
+    def _jobs_changed(self) -> None:
+        """A worker that turns busy or idle says so at once: neighbours on its cores resize
+        their threads on their next registry read instead of after a heartbeat."""
+        busy = self.registration.jobs_probe() > 0
+        if busy != self._was_busy:
+            self._was_busy = busy
+            beat = asyncio.create_task(self._beat_now(), name="relaylm-beat-now")
+            self._beats.add(beat)
+            beat.add_done_callback(self._beats.discard)
+
+    async def _beat_now(self) -> None:
+        try:
+            await self.registration.beat()
+        except RedisError as exc:
+            logger.warning("heartbeat failed: %s", exc)
+
+    async def _shutdown(
+        self,
+        engine: LLMEngine | EmbeddingEngine,
+        consumers: list[QueueConsumer],
+        consume: asyncio.Future[list[None]],
+        listener: ControlListener,
+    ) -> None:
+        s = self.settings
+        logger.info("worker %s draining (up to %.0f s)", s.worker_id, s.drain_timeout_s)
+        await self.registration.set_state("draining")
+        await _drain(consumers, s.drain_timeout_s)
+        await _stop_consuming(consume, listener)
+        await self.registration.stop()
+        engine.stop()
+        self.engine_thread.join(timeout_s=10)
+        await self._disconnect()
+        logger.info("worker %s stopped", s.worker_id)
+
+
+async def _stop_consuming(consume: asyncio.Future[list[None]], listener: ControlListener) -> None:
+    consume.cancel()
+    with contextlib.suppress(BaseException):
+        await consume
+    await listener.stop()
+
+
+async def _drain(consumers: list[QueueConsumer], timeout_s: float) -> None:
+    """Take no new jobs; let running ones finish until the deadline, then hand the rest back to
+    the queue (each job's task requeues its job when cancelled) for another worker to continue."""
+    for consumer in consumers:
+        consumer.stop_claiming()
+
+    def num_running() -> int:
+        return sum(consumer.num_jobs_running for consumer in consumers)
+
+    deadline = time.monotonic() + timeout_s
+    while num_running() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for consumer in consumers:
+        await consumer.cancel_running()
+
+
+async def serve(settings: WorkerSettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await WorkerProcess(settings).run(stop)
+    except (RedisRefused, EngineStopped) as exc:
+        raise SystemExit(f"relaylm worker: {exc}") from None
+
+
+def run_worker(settings: WorkerSettings) -> None:
+    configure_logging(settings.log_level, settings.log_format)
+    asyncio.run(serve(settings))
+
+
+def resolve_task(settings: WorkerSettings) -> str:
+    if settings.task != "auto":
+        return settings.task
+    return "embed" if is_embedding_model(settings.model) else "generate"
