@@ -1,7 +1,8 @@
 """(b) The engine in this process, without Redis or HTTP: isolates what the queue hop costs.
 
-Each request goes through the same preparation as in a worker (checks, chat template,
-tokenization, sampling parameters) inside the timed region, so the difference to the full
+Each request goes through the same preparation as through the stack (the API's contract
+request, then the worker's chat template, tokenization and sampling parameters) inside the
+timed region, so the difference to the full
 stack is exactly API + Redis queue + pub/sub. The loop runs on this (main) thread, the thread
 that already ran the baseline: torch work on a second thread would run slower (see
 worker/service/engine_thread.py).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
+from api.jobs.build import chat_generate
 from api.wire.openai.chat_request import ChatCompletionRequest
 from bench.stats import StreamTrace
 from shared.events import DeltaEvent, EndEvent
@@ -71,7 +73,7 @@ class InProcessEngine:
             trace = StreamTrace(sent_at=time.perf_counter())
             self.sink.traces[request_id] = trace
             traces.append(trace)
-            request = ChatCompletionRequest.model_validate(body)
+            request = chat_generate(ChatCompletionRequest.model_validate(body))  # what the API sends
             limits = RequestLimits(self.engine.max_running)
             self.engine.submit(prepare_chat(request_id, request, self.loaded, self.tooling, limits))
         while not self.sink.done.is_set():
