@@ -218,3 +218,16 @@ def test_job_state_changes_go_through_the_lifecycle() -> None:
     cancels = {m for m in _modules_calling("cancel", "lifecycle")}
     assert cancels and all(m.startswith("api.") for m in cancels)
     assert _modules_calling("end", "lifecycle") <= {"api.jobs.orphans", "shared.job_lifecycle"}
+
+
+def test_the_reading_sees_deferred_and_typing_only_imports() -> None:
+    """Imports inside functions and under TYPE_CHECKING count: they are dependencies too."""
+    assert "worker.native.compiled_decode" in GRAPH["worker.engine.model_runner"]  # under TYPE_CHECKING
+    assert "worker.service.main" in GRAPH["relaylm.cli"]  # inside the function that starts a worker
+
+
+def test_the_numerics_know_nothing_of_the_engine() -> None:
+    """``native`` (the forward pass, kernels, KV storage) is driven by ``engine`` and never calls back."""
+    assert _importers("worker.native.", ("worker.engine",)) == {}
+    assert _importers("worker.parsers.", ("worker.engine",)) == {}
+    assert _importers("worker.structured.", ("worker.engine",)) == {}

@@ -106,7 +106,9 @@ class Orphans:
         if is_running and is_owner_alive is None:
             is_owner_alive = await directory.is_owner_alive(record)
         # A live owner is itself a live worker of the job's model.
-        has_live_worker = True if is_running and is_owner_alive else await directory.has_live_worker(record.model)
+        has_live_worker = (
+            True if is_running and is_owner_alive else await directory.has_live_worker(record.model, fresh=True)
+        )
         is_batch_line = record.queue == self._lifecycle.keys.batch_queue(record.model)
         unserved_for_s = 0.0
         if record.state is JobState.QUEUED and not has_live_worker and not is_batch_line:

@@ -67,9 +67,11 @@ class WorkerDirectory:
             for record in records
         }
 
-    async def has_live_worker(self, model: str) -> bool:
+    async def has_live_worker(self, model: str, fresh: bool = False) -> bool:
+        """``fresh``: read the registry now, not the answer reused for ``LIVE_ANSWER_REUSE_S``
+        (deciding a job's fate must not trust a worker that died within the last half second)."""
         now = time.monotonic()
-        if self._live_cache.get(model, 0.0) > now:
+        if not fresh and self._live_cache.get(model, 0.0) > now:
             return True
         lookup = self._live_lookups.get(model)
         if lookup is None:

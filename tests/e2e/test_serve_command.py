@@ -61,7 +61,7 @@ def _child(process: subprocess.Popen[bytes], role: str) -> psutil.Process:
 
 def _is_decode_build(process: psutil.Process) -> bool:
     try:
-        return "worker.native.compiled_decode" in " ".join(process.cmdline())
+        return "worker.models.compile_decode" in " ".join(process.cmdline())
     except psutil.NoSuchProcess:
         return True  # a build that just ended
 

@@ -202,7 +202,7 @@ def test_a_build_runs_at_low_priority_and_dies_with_its_worker(tiny_model_path: 
     """A stand-in worker starts a build as CompiledDecode does and is SIGKILLed: the build goes too."""
     spawn = (
         "import os, subprocess, sys, time\n"
-        "command = [sys.executable, '-m', 'worker.native.compiled_decode', '--model', sys.argv[1], '--cache-dir',"
+        "command = [sys.executable, '-m', 'worker.models.compile_decode', '--model', sys.argv[1], '--cache-dir',"
         " sys.argv[2], '--dtype', 'float32', '--max-model-len', '128', '--num-cache-slots', '4', '--num-threads', '1',"
         " '--out', sys.argv[3], '--parent-pid', str(os.getpid())]\n"
         "child = subprocess.Popen(command)\n"

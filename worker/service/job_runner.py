@@ -97,7 +97,7 @@ class JobRunner:
             await self._leave(claim, exc.version)
             return
         except UnreadableJob as exc:
-            logger.error("job %s: refused a payload that is not a job (%s)", job_id, exc)
+            logger.error("job %s: refused a request payload that is not a job (%s)", job_id, exc)
             await self._end_with(claim, RelayError(ErrorKind.INVALID_REQUEST, "The job's request is unreadable."))
             return
         request_id = self._request_ids[job_id] = job.request_id
