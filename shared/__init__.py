@@ -1,1 +1,1 @@
-"""What the API and the workers must agree on: wire schemas, job and event formats, Redis keys, settings."""
+"""What the API and the workers must agree on: the job contract, events, the job lifecycle, Redis keys, settings."""

@@ -16,6 +16,7 @@ import pytest
 import redis
 from redis.asyncio import Redis as AsyncRedis
 
+from api.jobs.worker_directory import LIVE_ANSWER_REUSE_S
 from shared.job_lifecycle import JobLifecycle
 from shared.redis_keys import WORKER_HEARTBEAT_TTL_S
 from shared.registry import WorkerInfo
@@ -83,6 +84,8 @@ def previous_release_worker(tiny_stack: Stack, redis_url: str) -> Iterator[None]
     ).model_dump(exclude={"contract_version"})  # fmt: skip
     client.set(keys.worker(worker_id), json.dumps(info), ex=WORKER_HEARTBEAT_TTL_S * 4)
     client.sadd(keys.model_workers(TINY_MODEL), worker_id)
+    # An API process reuses its registry reading for LIVE_ANSWER_REUSE_S: the next one sees this worker.
+    time.sleep(LIVE_ANSWER_REUSE_S + 0.2)
     try:
         yield
     finally:
