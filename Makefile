@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint format bench bench-hop bench-load bench-scaling bench-batch bench-quant bench-kv bench-perplexity llama-server clean venv
+.PHONY: serve test lint format bench bench-hop bench-audio bench-load bench-scaling bench-batch bench-quant bench-kv bench-perplexity llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -23,12 +23,14 @@ $(INSTALLED): pyproject.toml scripts/install-torch.sh
 	$(PY) -m worker.native.exact
 	touch $@
 
-## Start Redis (if none answers), the API on :8000 and one worker on the default model (MODEL=… for another).
+## Start Redis (if none answers), the API on :8000 and a worker per model: the default chat and embedding models, or MODELS="a b" (MODEL=a for one).
 serve: $(INSTALLED)
-	$(VENV)/bin/relaylm serve $(if $(MODEL),--model $(MODEL)) $(ARGS)
+	$(VENV)/bin/relaylm serve $(foreach model,$(MODEL) $(MODELS),--model $(model)) $(ARGS)
 
-## The whole suite: lint and type-check (mypy: api/ and shared/), then unit, integration and end-to-end tests.
+## The whole suite: lint and type-check (mypy: api/ and shared/), then unit, integration and end-to-end tests
+## (the audio tests' Debian packages, pocketsphinx-testdata and espeak-ng, are installed first when missing).
 test: $(INSTALLED)
+	scripts/install-test-data.sh
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
@@ -49,6 +51,11 @@ bench: $(BENCH_INSTALLED)
 ## Where the queue hop goes (~1 min): per-segment TTFT from the job transition logs; bench/results/hop_breakdown.json.
 bench-hop: $(BENCH_INSTALLED)
 	$(PY) -m bench.hop_breakdown $(ARGS)
+
+## Whisper through the stack against faster-whisper in-process (~2.5 min on 2 quiet cores; each run first waits up to 30 s for other jobs' load to pass): real-time factor at 1 and 4 files at once, and where a gap goes; bench/results/audio.json.
+bench-audio: $(BENCH_INSTALLED)
+	scripts/install-test-data.sh
+	$(PY) -m bench.audio_bench $(ARGS)
 
 ## Load test (~3 min): 1,000 streams for 60 s, then overload; bench/results/load.json.
 bench-load: $(BENCH_INSTALLED)

@@ -26,6 +26,7 @@ from api.middleware import ApiKeyMiddleware, BodyGuardMiddleware
 from api.request_context import RequestContextMiddleware
 from api.response_store import ResponseStore
 from api.routes import (
+    audio,
     background,
     batches,
     chat,
@@ -111,9 +112,13 @@ def create_app(settings: ApiSettings) -> FastAPI:
     # Added innermost first: CORS answers preflights, then keys are checked, then bodies are read.
     # Uploads may exceed the JSON limit (multipart framing adds a little to the file's own size).
     file_limit = settings.max_file_bytes + 64 * 1024
-    app.add_middleware(
-        BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes, path_limits={"/v1/files": file_limit}
-    )
+    audio_limit = settings.max_audio_bytes + 64 * 1024
+    path_limits = {
+        "/v1/files": file_limit,
+        "/v1/audio/transcriptions": audio_limit,
+        "/v1/audio/translations": audio_limit,
+    }
+    app.add_middleware(BodyGuardMiddleware, max_body_bytes=settings.max_body_bytes, path_limits=path_limits)
     keyring = KeyRing(settings.load_api_keys(), settings.load_admin_api_keys(), redis, keys, settings.owner_hash_secret)
     if not keyring.is_empty:
         public = [*PUBLIC_PATHS, *(["/metrics"] if settings.metrics_public else [])]
@@ -139,6 +144,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(embeddings.router)
+    app.include_router(audio.router)
     app.include_router(messages.router)
     app.include_router(responses.router)
     app.include_router(tokenize.router)

@@ -67,6 +67,13 @@ class Metrics:
         self.queue_depth = Gauge(
             "relaylm:queue_depth", "Interactive jobs queued or running per model", ["model"], registry=r
         )
+        self.audio_seconds = Counter(
+            "relaylm:audio_seconds", "Seconds of audio transcribed or translated", ["model", "task"], registry=r
+        )
+        self.audio_real_time_factor = Histogram(
+            "relaylm:audio_real_time_factor", "Request wall time per second of audio (below 1: faster than real time)",
+            ["model"], buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5), registry=r,
+        )  # fmt: skip
         self.live_workers = Gauge("relaylm:live_workers", "Workers heartbeating per model", ["model"], registry=r)
         worker_labels = ["model", "worker"]
         self.running = Gauge("relaylm:num_requests_running", "Sequences in the batch", worker_labels, registry=r)

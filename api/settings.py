@@ -66,6 +66,23 @@ class ApiSettings(CommonSettings):
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="On SIGTERM: how long open streams may finish before they are closed."
     )
+    max_audio_bytes: int = Field(
+        default=25 * 2**20, ge=1024, description="Largest audio upload (/v1/audio/*; OpenAI's 25 MB); larger gets 413."
+    )
+    max_audio_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Longest audio transcribed or translated (decoded samples wait in Redis); longer gets 400.",
+    )
+    audio_window_s: float = Field(
+        default=120.0,
+        ge=30.0,
+        le=1800.0,
+        description="Longest transcription window: recordings are cut at quiet moments into windows of at most "
+        "this, one job each, which the model's workers share; a shorter recording is one window. Each window "
+        "costs about one extra 30 s encoder pass, so shorter windows spread a long file over more workers "
+        "but do more work in all.",
+    )
     max_file_bytes: int = Field(
         default=200 * 2**20, ge=1024, description="Largest file upload (/v1/files); files live in Redis memory."
     )

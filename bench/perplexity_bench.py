@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from bench.quantization_bench import PASSAGE, _Chunk, perplexity
+from bench.report import cpu_name
 from tests.support.models import test_cache_dir
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import PrefillChunk
@@ -153,17 +154,6 @@ def applied_quantization(loaded: LoadedModel) -> str:
     if Int4Linear in kinds:
         return "int4, int8 head"
     return "int8" if Int8Linear in kinds else "none"
-
-
-def cpu_name() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        lscpu = ""
-    for line in lscpu.splitlines() + Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith(("Model name:", "model name")):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def main() -> None:

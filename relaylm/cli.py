@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from api.settings import ApiSettings
+from relaylm.serve_models import SERVE_MODEL_OPTION, ServeModelsError, models_to_serve
 from relaylm.settings_options import build_settings, settings_options
 from worker.settings import WorkerSettings
 
@@ -35,12 +36,18 @@ def worker(**values: Any) -> None:
 
 
 @main.command()
-@settings_options(ApiSettings, WorkerSettings)
+@settings_options(ApiSettings, WorkerSettings, repeated={"model": SERVE_MODEL_OPTION})
 def serve(**values: Any) -> None:
-    """Run everything on this machine: Redis (if none answers), the API and one worker. Ctrl-C stops all."""
+    """Run everything on this machine: Redis (if none answers), the API and one worker per --model
+    (by default a chat and an embedding model; see --model). Ctrl-C stops all."""
     from relaylm.supervisor import Supervisor
 
+    flag_models: tuple[str, ...] = values.pop("model")
     api_settings = build_settings(ApiSettings, values)
     worker_settings = build_settings(WorkerSettings, values)
+    try:
+        models = models_to_serve(flag_models, worker_settings)
+    except ServeModelsError as exc:
+        raise click.UsageError(str(exc)) from exc
     given = {name: value for name, value in values.items() if value is not None}
-    raise SystemExit(Supervisor(api_settings, worker_settings, given).run())
+    raise SystemExit(Supervisor(api_settings, worker_settings, models, given).run())

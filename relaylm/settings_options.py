@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,16 @@ import click
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import BaseSettings
+
+
+@dataclass(frozen=True)
+class Repeated:
+    """A setting one command takes several times (``serve --model a --model b``): click collects a
+    tuple, which the command spreads over its processes, each of which reads one value."""
+
+    note: str  # appended to the field's description
+    env_format: str  # how the environment variable holds several values
+    default: str  # what the command does when none is given
 
 
 def _click_type(annotation: Any) -> Any:
@@ -42,8 +53,11 @@ def settings_option_names(settings_cls: type[BaseSettings]) -> list[str]:
     return list(settings_cls.model_fields)
 
 
-def settings_options(*settings_classes: type[BaseSettings]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a click command with one ``--flag`` per field of the given settings classes."""
+def settings_options(
+    *settings_classes: type[BaseSettings], repeated: Mapping[str, Repeated] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a click command with one ``--flag`` per field of the given settings classes; the
+    fields named in ``repeated`` may be given several times (an empty tuple when none is)."""
     fields: dict[str, tuple[type[BaseSettings], FieldInfo]] = {}
     for settings_cls in settings_classes:
         for name, info in settings_cls.model_fields.items():
@@ -51,17 +65,23 @@ def settings_options(*settings_classes: type[BaseSettings]) -> Callable[[Callabl
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         for name, (settings_cls, info) in reversed(list(fields.items())):
-            flag = "--" + name.replace("_", "-")
-            variable = env_name(settings_cls, name)
-            help_text = f"{info.description or ''} [env: {variable}; default: {default_text(info)}]"
-            if info.annotation is bool:
-                option = click.option(flag + "/--no-" + flag[2:], name, default=None, help=help_text)
-            else:
-                option = click.option(flag, name, type=_click_type(info.annotation), default=None, help=help_text)
-            command = option(command)
+            command = _option(name, env_name(settings_cls, name), info, (repeated or {}).get(name))(command)
         return command
 
     return decorate
+
+
+def _option(name: str, variable: str, info: FieldInfo, repeated: Repeated | None) -> Callable[..., Any]:
+    flag = "--" + name.replace("_", "-")
+    description = info.description or ""
+    if repeated is not None:
+        env = f"{variable}, {repeated.env_format}"
+        help_text = f"{description} {repeated.note} [env: {env}; default: {repeated.default}]"
+        return click.option(flag, name, type=_click_type(info.annotation), multiple=True, help=help_text)
+    help_text = f"{description} [env: {variable}; default: {default_text(info)}]"
+    if info.annotation is bool:
+        return click.option(flag + "/--no-" + flag[2:], name, default=None, help=help_text)
+    return click.option(flag, name, type=_click_type(info.annotation), default=None, help=help_text)
 
 
 def build_settings(settings_cls: type[BaseSettings], values: dict[str, Any], names: Iterable[str] | None = None) -> Any:

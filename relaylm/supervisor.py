@@ -1,6 +1,7 @@
-"""``relaylm serve``: Redis if needed, one worker and the API as child processes; a banner;
-a child that dies is restarted with backoff; Ctrl-C (or SIGTERM) stops everything this command
-started, and a second Ctrl-C kills what is still running."""
+"""``relaylm serve``: Redis if needed, one worker per model and the API as child processes; a
+banner; "ready" per model as each worker is; a child that dies is restarted with its own backoff;
+Ctrl-C (or SIGTERM) stops everything this command started, and a second Ctrl-C kills what is
+still running."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -64,30 +66,52 @@ class RestartBackoff:
 
 @dataclass
 class _Child:
-    """One supervised role (``worker`` or ``api``): its current process and restart bookkeeping."""
+    """One supervised process, the API or the worker for one model: its current process, restart
+    bookkeeping and, for a worker, what has been announced of its current process."""
 
-    role: str
+    command: str  # the relaylm subcommand it runs: "api" or "worker"
+    model: str | None = None  # a worker's --model
+    model_id: str | None = None  # a worker's model as clients name it (its --served-model-name, else --model)
     popen: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     restart_at: float | None = None  # set while it is down, waiting out the backoff
     num_restarts: int = 0
     backoff: RestartBackoff = field(default_factory=RestartBackoff)
+    is_ready_announced: bool = False
+    is_compile_announced: bool = False
+
+    @property
+    def name(self) -> str:
+        """For messages: ``api``, or ``worker for all-minilm-l6-v2``."""
+        return self.command if self.model_id is None else f"{self.command} for {self.model_id}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
 
     @property
     def is_running(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
+    @property
+    def is_announced(self) -> bool:
+        return self.is_ready_announced and self.is_compile_announced
+
 
 class Supervisor:
-    def __init__(self, api_settings: ApiSettings, worker_settings: WorkerSettings, given: dict[str, Any]) -> None:
+    def __init__(
+        self, api_settings: ApiSettings, worker_settings: WorkerSettings, models: Sequence[str], given: dict[str, Any]
+    ) -> None:
+        """``models``: one worker each; ``worker_settings.served_model_name`` renames the only one."""
         self.api_settings = api_settings
         self.worker_settings = worker_settings
-        self.given = given
+        self.given = given  # the flags given (--model aside), passed to every child as RELAYLM_*
         self.redis: RedisHandle | None = None
-        self.children = {role: _Child(role) for role in ("worker", "api")}
+        self._registry: redis.Redis | None = None
+        self.workers = [_Child("worker", model, worker_settings.served_model_name or model) for model in models]
+        self.api = _Child("api")
+        self.children = [*self.workers, self.api]
         self._env: dict[str, str] = {}
-        self._is_announced = False
-        self._is_compile_announced = False
         self._is_spawning = False
         self._is_stop_requested = False
         self._stopping = False
@@ -98,8 +122,9 @@ class Supervisor:
             signal.signal(signum, self._on_signal)
         try:
             self.redis = ensure_redis(self.api_settings.redis_url)
+            self._registry = redis.Redis.from_url(self.redis.url, socket_timeout=1)
             self._env = _env_for(self.given, self.redis.url)
-            for child in self.children.values():
+            for child in self.children:
                 self._launch(child)
             self._print_banner()
             self._watch()
@@ -115,8 +140,9 @@ class Supervisor:
         try:
             # Its own process group: a terminal's Ctrl-C reaches only this supervisor, which sends
             # each child one SIGTERM (a second signal makes the API quit without draining).
-            command = [sys.executable, "-m", "relaylm", child.role]
-            child.popen = subprocess.Popen(command, env=self._env, process_group=0)
+            command = [sys.executable, "-m", "relaylm", child.command]
+            env = self._env if child.model is None else {**self._env, "RELAYLM_MODEL": child.model}
+            child.popen = subprocess.Popen(command, env=env, process_group=0)
             child.started_at = time.monotonic()
             child.restart_at = None
         finally:
@@ -125,34 +151,30 @@ class Supervisor:
             raise KeyboardInterrupt
 
     def _print_banner(self) -> None:
-        api, worker, redis = self.api_settings, self.worker_settings, self.redis
+        redis = self.redis
         assert redis is not None
-        base = f"http://{api.host}:{api.port}"
+        base = self._base_url()
         origin = "already running" if redis.origin == "existing" else f"started here from {redis.origin}"
-        print(
-            "\n".join(
-                [
-                    "",
-                    "relaylm serve",
-                    f"  Redis   {redis.url}  ({origin})",
-                    f"  API     {base}/v1  (pid {self._pid('api')})",
-                    f"  Worker  model {worker.model_id}  (pid {self._pid('worker')}; loading…)",
-                    f"  Ready?  curl {base}/ready",
-                    "  Ctrl-C stops everything started here.",
-                    "",
-                ]
-            ),
-            flush=True,
-        )
+        workers = [f"  Worker  model {child.model_id}  (pid {child.pid}; loading…)" for child in self.workers]
+        lines = [
+            "",
+            "relaylm serve",
+            f"  Redis   {redis.url}  ({origin})",
+            f"  API     {base}/v1  (pid {self.api.pid})",
+            *workers,
+            f"  Ready?  curl {base}/ready",
+            "  Ctrl-C stops everything started here.",
+            "",
+        ]
+        print("\n".join(lines), flush=True)
 
-    def _pid(self, role: str) -> int | None:
-        popen = self.children[role].popen
-        return popen.pid if popen is not None else None
+    def _base_url(self) -> str:
+        return f"http://{self.api_settings.host}:{self.api_settings.port}"
 
     def _watch(self) -> NoReturn:
         while True:
             now = time.monotonic()
-            for child in self.children.values():
+            for child in self.children:
                 self._tend(child, now)
             self._announce_when_ready()
             time.sleep(_POLL_S)  # a signal interrupts the sleep: Ctrl-C is never kept waiting
@@ -163,9 +185,8 @@ class Supervisor:
             if now >= child.restart_at:
                 child.num_restarts += 1
                 self._launch(child)
-                if child.role == "worker":
-                    self._is_announced = self._is_compile_announced = False  # again for the new worker
-                print(f"relaylm serve: the {child.role} restarted (pid {self._pid(child.role)})", flush=True)
+                child.is_ready_announced = child.is_compile_announced = False  # again for the new process
+                print(f"relaylm serve: the {child.name} restarted (pid {child.pid})", flush=True)
             return
         assert child.popen is not None
         code = child.popen.poll()
@@ -174,50 +195,53 @@ class Supervisor:
         delay_s = child.backoff.next_delay_s(uptime_s=now - child.started_at)
         child.restart_at = now + delay_s
         print(
-            f"relaylm serve: the {child.role} exited with {describe_exit(code)}; "
+            f"relaylm serve: the {child.name} exited with {describe_exit(code)}; "
             f"restarting in {delay_s:.1f} s (restart {child.num_restarts + 1})",
             flush=True,
         )
 
     def _announce_when_ready(self) -> None:
-        if self._is_announced and self._is_compile_announced:
+        pending = [child for child in self.workers if not child.is_announced and child.is_running]
+        if not pending:
             return
-        info = self._ready_worker()
-        if info is None:
-            return
-        if not self._is_announced:
-            self._is_announced = True
-            base = f"http://{self.api_settings.host}:{self.api_settings.port}"
-            print(f"relaylm serve: ready — model '{self.worker_settings.model_id}' at {base}/v1", flush=True)
+        records = self._registry_records(child.model_id for child in pending if child.model_id is not None)
+        for child in pending:
+            # Only the current process counts: a killed one's record says "ready" until its TTL runs out.
+            mine = (r for r in records if r.model == child.model_id and r.pid == child.pid)
+            info = next((r for r in mine if r.state == "ready"), None)
+            if info is not None:
+                self._announce(child, info)
+
+    def _announce(self, worker: _Child, info: WorkerInfo) -> None:
+        if not worker.is_ready_announced:
+            worker.is_ready_announced = True
+            model = f"'{worker.model_id}' ({info.task})"
+            print(f"relaylm serve: ready — model {model} at {self._base_url()}/v1", flush=True)
             if info.compiled_decode == "building":
-                print("relaylm serve: compiling one stream's decode step in the background "
+                print(f"relaylm serve: compiling one stream's decode step of '{worker.model_id}' in the background "
                       "(~1 min at a model's first start; the eager step serves meanwhile)", flush=True)  # fmt: skip
-        if not self._is_compile_announced and info.compiled_decode in ("ready", "failed", "off"):
-            self._is_compile_announced = True
+        # Only generate workers have a decode step; the others report "off".
+        if not worker.is_compile_announced and info.compiled_decode in ("ready", "failed", "off"):
+            worker.is_compile_announced = True
             if info.compiled_decode != "off":
                 outcome = "compiled" if info.compiled_decode == "ready" else "not compiled (see the worker's log)"
-                print(f"relaylm serve: one stream's decode step {outcome}", flush=True)
+                print(f"relaylm serve: one stream's decode step of '{worker.model_id}' {outcome}", flush=True)
 
-    def _ready_worker(self) -> WorkerInfo | None:
-        """The current worker's registry record once it is ready. Read from the registry directly
-        (polling /ready would fill the API's access log). Only the current worker counts: a killed
-        one's record says "ready" until its TTL runs out."""
-        assert self.redis is not None
-        worker = self.children["worker"]
-        if not worker.is_running:
-            return None
-        keys, model = self.worker_settings.keys, self.worker_settings.model_id
+    def _registry_records(self, model_ids: Iterable[str]) -> list[WorkerInfo]:
+        """The registry records of these models' workers, read from Redis directly (polling /ready
+        would fill the API's access log); none while Redis does not answer."""
+        assert self._registry is not None
+        keys = self.worker_settings.keys
         try:
-            client = redis.Redis.from_url(self.redis.url, socket_timeout=1)
-            try:
-                worker_ids = client.smembers(keys.model_workers(model))
-                records = client.mget([keys.worker(w.decode()) for w in worker_ids]) if worker_ids else []
-            finally:
-                client.close()
+            with self._registry.pipeline(transaction=False) as pipe:
+                for model_id in model_ids:
+                    pipe.smembers(keys.model_workers(model_id))
+                members: list[set[bytes]] = pipe.execute()
+            worker_ids = sorted({worker_id.decode() for ids in members for worker_id in ids})
+            records = self._registry.mget([keys.worker(w) for w in worker_ids]) if worker_ids else []
         except redis.RedisError:
-            return None
-        infos = [WorkerInfo.model_validate_json(raw) for raw in records if raw]
-        return next((i for i in infos if i.state == "ready" and i.pid == self._pid("worker")), None)
+            return []
+        return [WorkerInfo.model_validate_json(raw) for raw in records if raw]
 
     def _on_signal(self, _signum: int, _frame: object) -> None:
         if self._stopping:
@@ -229,7 +253,7 @@ class Supervisor:
 
     def _kill_all(self) -> None:
         print("relaylm serve: stopping at once", flush=True)
-        for child in self.children.values():
+        for child in self.children:
             if child.is_running:
                 assert child.popen is not None
                 child.popen.kill()
@@ -238,7 +262,7 @@ class Supervisor:
         if self._stopping:
             return
         self._stopping = True
-        running = [child.popen for child in self.children.values() if child.popen is not None and child.is_running]
+        running = [child.popen for child in self.children if child.popen is not None and child.is_running]
         for popen in running:
             popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + _STOP_TIMEOUT_S
@@ -248,5 +272,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 popen.kill()
                 popen.wait()
+        if self._registry is not None:
+            self._registry.close()
         if self.redis is not None:
             self.redis.stop()

@@ -26,5 +26,5 @@ if __name__ == "__main__":
     print(table(CommonSettings, set()))
     print("\nAPI (`relaylm api`, and `relaylm serve`):\n")
     print(table(ApiSettings, common))
-    print("\nWorker (`relaylm worker`, and `relaylm serve`):\n")
+    print("\nWorker (`relaylm worker`, and `relaylm serve`, which takes `--model` several times):\n")
     print(table(WorkerSettings, common))

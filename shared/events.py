@@ -69,6 +69,43 @@ class EmbeddingsEvent(BaseModel):
     vectors: list[list[float]]
 
 
+class WordTiming(BaseModel):
+    word: str
+    start: float
+    end: float
+    probability: float
+
+
+class SegmentEvent(BaseModel):
+    """One transcribed segment of a transcription window, times relative to the window's start.
+    ``index`` counts the window's segments from 0: a worker that continues a window after
+    another died re-transcribes it and sends only the segments the log lacks."""
+
+    type: Literal["segment"] = "segment"
+    seq: int
+    index: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int] = Field(default_factory=list)
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
+    temperature: float = 0.0
+    words: list[WordTiming] | None = None
+
+
+class TranscriptEvent(BaseModel):
+    """A transcription window's summary, after its last segment and before its end event."""
+
+    type: Literal["transcript"] = "transcript"
+    seq: int
+    language: str
+    language_probability: float = 1.0
+    duration_s: float
+    num_segments: int
+
+
 class UsageCounts(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -92,7 +129,7 @@ class ErrorEvent(BaseModel):
         return RelayError(self.kind, self.message, self.param)
 
 
-AnyEvent = StartEvent | DeltaEvent | EmbeddingsEvent | EndEvent | ErrorEvent
+AnyEvent = StartEvent | DeltaEvent | EmbeddingsEvent | SegmentEvent | TranscriptEvent | EndEvent | ErrorEvent
 JobEvent = Annotated[AnyEvent, Field(discriminator="type")]
 _job_event_adapter: TypeAdapter[JobEvent] = TypeAdapter(JobEvent)
 

@@ -34,7 +34,14 @@ from redis.exceptions import NoScriptError
 
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, ErrorEvent, encode_event
-from shared.redis_keys import JOB_LOG_MAX_EVENTS, JOB_LOG_TTL_S, JOB_MAX_ATTEMPTS, JOB_RECORD_TTL_S, RedisKeys
+from shared.redis_keys import (
+    JOB_AUDIO_TTL_S,
+    JOB_LOG_MAX_EVENTS,
+    JOB_LOG_TTL_S,
+    JOB_MAX_ATTEMPTS,
+    JOB_RECORD_TTL_S,
+    RedisKeys,
+)
 from shared.redis_replies import as_bytes, log_events, texts
 
 
@@ -415,6 +422,22 @@ class JobLifecycle:
             pipe.set(self._keys.job_result(job_id), result, ex=retention_s)
             pipe.srem(self._keys.background_jobs(), job_id)
             await pipe.execute()
+
+    async def store_audio(self, samples: dict[str, bytes]) -> None:
+        """Each transcription window's samples by job id, before its job is created."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id, pcm in samples.items():
+                pipe.set(self._keys.job_audio(job_id), pcm, ex=JOB_AUDIO_TTL_S)
+            await pipe.execute()
+
+    async def read_audio(self, job_id: str) -> bytes | None:
+        """A transcription window's samples; None once they expired or were dropped."""
+        pcm = await self._redis.get(self._keys.job_audio(job_id))
+        return pcm if isinstance(pcm, bytes) else None
+
+    async def drop_audio(self, job_ids: list[str]) -> None:
+        if job_ids:
+            await self._redis.delete(*(self._keys.job_audio(job_id) for job_id in job_ids))
 
     async def delete(self, job_id: str) -> None:
         """Forget an ended job (its record and log)."""

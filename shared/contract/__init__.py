@@ -48,12 +48,15 @@ from shared.contract.v2 import (
     Tool,
     ToolCall,
     ToolChoice,
+    Transcribe,
+    TranscriptionJob,
 )
 
 __all__ = [
     "CONTRACT_VERSION", "OLDEST_READABLE_VERSION", "AnyJob", "ChatJob", "CompletionJob", "Delivery", "Embed",
     "EmbeddingJob", "Generate", "Message", "NewerContract", "OutputFormat", "Sampling", "Tokenize", "TokenizeJob",
-    "Tool", "ToolCall", "ToolChoice", "UnreadableJob", "decode_job", "encode_job", "payload_version",
+    "Tool", "ToolCall", "ToolChoice", "Transcribe", "TranscriptionJob", "UnreadableJob", "decode_job", "encode_job",
+    "payload_version",
 ]  # fmt: skip
 
 CONTRACT_VERSION = VERSION
@@ -82,6 +85,8 @@ def encode_job(job: AnyJob, version: int = CONTRACT_VERSION) -> bytes:
     if version == CONTRACT_VERSION:
         return job.model_dump_json().encode()
     if version == 1:
+        if isinstance(job, TranscriptionJob):
+            raise ValueError("version 1 has no transcription jobs")
         return json.dumps(downgrade_to_v1(job), ensure_ascii=False).encode()
     raise ValueError(f"cannot write job contract version {version}")
 

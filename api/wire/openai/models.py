@@ -14,7 +14,9 @@ class ModelCard(BaseModel):
     owned_by: str = "relaylm"
     max_model_len: int | None = Field(default=None, description="Extension: the context length served.")
     num_live_workers: int = Field(default=0, description="Extension: workers serving this model now.")
-    task: str = Field(default="generate", description="Extension: generate (chat, completions) or embed.")
+    task: str = Field(
+        default="generate", description="Extension: generate (chat, completions), embed or transcribe (audio)."
+    )
     deterministic: bool = Field(
         default=False,
         description="Extension: every live worker of the model promises that a greedy or seeded request's "

@@ -1,0 +1,1 @@
+"""Audio uploads: decoding to 16 kHz mono samples and cutting recordings into windows."""

@@ -1,0 +1,1 @@
+"""Whisper workers: named models from PyPI wheels, loading, and the transcription engine."""
