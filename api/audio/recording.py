@@ -39,26 +39,24 @@ logger = logging.getLogger(__name__)
 class Recording:
     """One recording's windows: queued together, followed in order, cleaned up together."""
 
-    def __init__(
-        self, submitter: JobSubmitter, body: AudioRequest, pcm: bytes, duration_s: float, arrived_at: float
-    ) -> None:
-        """``pcm``: the whole recording, 16 kHz mono little-endian int16."""
+    def __init__(self, submitter: JobSubmitter, body: AudioRequest, samples: np.ndarray, arrived_at: float) -> None:
+        """``samples``: the whole recording, 16 kHz mono int16."""
         self.submitter = submitter
         self.body = body
-        self.pcm = pcm
-        self.duration_s = duration_s
+        self.samples = samples
+        self.duration_s = len(samples) / SAMPLE_RATE
         self.arrived_at = arrived_at
         self.recording_id = ""  # set by submit
         self.streams: list[JobStream] = []
         self.offsets_s: list[float] = []
         self._audio_left: list[str] = []
-        self.transcript = Transcript("translate" if body.translate else "transcribe", duration_s)
+        self.transcript = Transcript("translate" if body.translate else "transcribe", self.duration_s)
 
     async def submit(self, request: Request) -> None:
         """Store every window's samples, then queue every window (only the first counts towards
         the key's limit of open requests: a recording is one request)."""
         state, lifecycle = request.state, self.submitter.lifecycle
-        samples_per_window = cut_windows_bytes(self.pcm, self.submitter.settings.audio_window_s)
+        samples_per_window = cut_windows(self.samples, self.submitter.settings.audio_window_s)
         recording_id = self.recording_id = job_id_for("trsc", state.request_id, state.request_id_is_ours)
         tenant, created = tenant_of(request).owner, int(time.time())
         jobs = []
@@ -72,7 +70,7 @@ class Recording:
                     prompt=self.body.prompt, temperature=self.body.temperature, seed=0, word_timestamps=self.body.words,
                 ),
             )  # fmt: skip
-            jobs.append((job, self.pcm[2 * start : 2 * end]))
+            jobs.append((job, self.samples[start:end].astype("<i2").tobytes()))
         try:
             await lifecycle.store_audio({job.job_id: pcm for job, pcm in jobs})
         except RedisError as exc:
@@ -168,8 +166,3 @@ class Recording:
             logger, "audio_finished", self.recording_id, self.streams[0].job.request_id,
             seconds=round(self.duration_s, 2), elapsed_s=round(elapsed_s, 2), segments=len(self.transcript.segments),
         )  # fmt: skip
-
-
-def cut_windows_bytes(pcm: bytes, max_window_s: float) -> list[tuple[int, int]]:
-    """The windows of int16 samples held as bytes."""
-    return cut_windows(np.frombuffer(pcm, dtype="<i2"), max_window_s)

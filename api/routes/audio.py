@@ -13,7 +13,7 @@ import time
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from api.audio.decode import SAMPLE_RATE, decode_audio_async
+from api.audio.decode import decode_audio_async
 from api.audio.form import audio_request, read_form
 from api.audio.recording import Recording
 from api.jobs.stream import ClientDisconnected
@@ -89,7 +89,7 @@ async def _serve(request: Request, translate: bool) -> Response:
     arrived_at = time.monotonic()
     await _require_transcription_model(submitter, body.model)
     samples = await decode_audio_async(body.audio, settings.max_audio_seconds)
-    run = Recording(submitter, body, samples.tobytes(), len(samples) / SAMPLE_RATE, arrived_at)
+    run = Recording(submitter, body, samples, arrived_at)
     await run.submit(request)
     try:
         is_client_here = await run.wait_for_start(settings.sse_ping_interval_s if body.stream else None)
