@@ -40,6 +40,7 @@ from shared.errors import RelayError
 from shared.job_lifecycle import JobLifecycle, JobState
 from shared.redis_keys import RedisKeys
 from shared.redis_replies import as_bytes, as_text
+from shared.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,7 @@ class BatchRunner:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
 
     async def _run_forever(self) -> None:
         while True:

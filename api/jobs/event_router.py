@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 from shared.connection import COMMAND_TIMEOUT_S
 from shared.errors import ErrorKind, RelayError
 from shared.redis_keys import RedisKeys
+from shared.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,7 @@ class EventRouter:
 
     async def stop(self) -> None:
         if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+            await cancel_and_wait(self._reader)
         with contextlib.suppress(RedisError):
             await self._pubsub.aclose()
 

@@ -27,6 +27,7 @@ from api.jobs.background_results import BackgroundResults
 from api.jobs.orphans import OrphanAction, Orphans
 from api.jobs.worker_directory import WorkerDirectory
 from shared.job_lifecycle import JobLifecycle, JobState
+from shared.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,7 @@ class Housekeeper:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
 
     async def _run_forever(self) -> None:
         while True:

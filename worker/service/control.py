@@ -10,6 +10,8 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from shared.tasks import cancel_and_wait
+
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[bytes], None]
@@ -31,8 +33,7 @@ class ControlListener:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

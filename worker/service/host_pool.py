@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 
 from shared.redis_keys import RedisKeys
 from shared.registry import WorkerInfo
+from shared.tasks import cancel_and_wait
 from worker.service.thread_budget import threads_for
 
 logger = logging.getLogger(__name__)
@@ -126,8 +127,7 @@ class HostPool:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _run(self) -> None:

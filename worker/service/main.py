@@ -4,7 +4,6 @@ SIGTERM/SIGINT drain within ``drain_timeout_s`` (then hand unfinished jobs back)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -18,6 +17,7 @@ from redis.exceptions import RedisError
 from shared.connection import RedisRefused, connect_redis, wait_for_redis
 from shared.job_lifecycle import Claim, JobLifecycle
 from shared.log_setup import configure_logging
+from shared.tasks import cancel_and_wait
 from worker.audio.engine import TranscriptionEngine
 from worker.audio.loader import LoadedWhisper, is_whisper_model, load_whisper
 from worker.embedding.engine import EmbeddingEngine
@@ -300,9 +300,7 @@ class WorkerProcess:
 
 
 async def _stop_consuming(consume: asyncio.Future[list[None]], listener: ControlListener) -> None:
-    consume.cancel()
-    with contextlib.suppress(BaseException):
-        await consume
+    await cancel_and_wait(consume)
     await listener.stop()
 
 

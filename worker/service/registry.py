@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from shared.contract import CONTRACT_VERSION
 from shared.redis_keys import MODEL_FORGET_AFTER_S, WORKER_HEARTBEAT_TTL_S, RedisKeys
 from shared.registry import ModelRecord, WorkerInfo, WorkerState, WorkerTask
+from shared.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,7 @@ class WorkerRegistration:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         try:
             await self._redis.delete(self._keys.worker(self.info.worker_id))
             await self._redis.srem(self._keys.model_workers(self.info.model), self.info.worker_id)
