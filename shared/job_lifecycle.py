@@ -35,6 +35,7 @@ from redis.exceptions import NoScriptError
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, ErrorEvent, encode_event
 from shared.redis_keys import (
+    IMAGE_TTL_S,
     JOB_AUDIO_TTL_S,
     JOB_LOG_MAX_EVENTS,
     JOB_LOG_TTL_S,
@@ -438,6 +439,18 @@ class JobLifecycle:
     async def drop_audio(self, job_ids: list[str]) -> None:
         if job_ids:
             await self._redis.delete(*(self._keys.job_audio(job_id) for job_id in job_ids))
+
+    async def store_images(self, images: dict[str, bytes]) -> None:
+        """Images by SHA-256, before the job naming them is created (a stored one's TTL restarts)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for sha256, data in images.items():
+                pipe.set(self._keys.image(sha256), data, ex=IMAGE_TTL_S)
+            await pipe.execute()
+
+    async def read_image(self, sha256: str) -> bytes | None:
+        """An image's bytes; None once they expired."""
+        data = await self._redis.get(self._keys.image(sha256))
+        return data if isinstance(data, bytes) else None
 
     async def delete(self, job_id: str) -> None:
         """Forget an ended job (its record and log)."""

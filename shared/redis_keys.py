@@ -16,6 +16,8 @@ JOB_LOG_MAX_EVENTS = 200_000
 # A transcription window's samples outlive their job's longest reasonable wait and run by this;
 # the API deletes them as soon as it has the window's text.
 JOB_AUDIO_TTL_S = 3600
+# An image a job names outlives the job records that name it (stored again, the TTL restarts).
+IMAGE_TTL_S = JOB_RECORD_TTL_S
 # A job is started at most this many times (the first worker, then takeovers after a worker dies).
 JOB_MAX_ATTEMPTS = 3
 # A worker that misses heartbeats for this long is considered dead.
@@ -81,6 +83,11 @@ class RedisKeys:
         """String: a transcription window's samples (16 kHz mono int16 PCM), expiring after
         JOB_AUDIO_TTL_S."""
         return f"{self.job_prefix}{job_id}:audio"
+
+    def image(self, sha256: str) -> str:
+        """String: an image's bytes as the API validated them, named by their SHA-256 (jobs name
+        images, so one image sent in many requests is stored once), expiring after IMAGE_TTL_S."""
+        return f"{self.prefix}:image:{sha256}"
 
     def job_events_channel(self, job_id: str) -> str:
         """Pub/sub channel carrying the job's event stream to the API."""

@@ -10,9 +10,9 @@ The payload is stored in the job's record (``RedisKeys.job``, field ``request``)
 only the job id. It is JSON, not msgpack: tool schemas are arbitrary JSON, whose integers may
 exceed msgpack's 64 bits. Every payload names its ``version``:
 
-- a reader upgrades an older version it knows (version 1, the OpenAI-shaped jobs of earlier
-  releases, by :mod:`shared.contract.v1`) and refuses a newer one with :class:`NewerContract`,
-  which a worker answers by leaving the job to a worker that reads it;
+- a reader upgrades an older version it knows (version 2, whose messages are text only; version
+  1, the OpenAI-shaped jobs of earlier releases, by :mod:`shared.contract.v1`) and refuses a
+  newer one with :class:`NewerContract`, which a worker answers by leaving the job to a worker that reads it;
 - a writer writes the newest version every live worker of the job's model reads (workers say
   which in their registry record), so an API and workers one release apart interoperate in
   either order of upgrade;
@@ -31,31 +31,56 @@ from typing import Annotated
 from pydantic import Field, TypeAdapter, ValidationError
 
 from shared.contract.v1 import downgrade_to_v1, upgrade_v1
-from shared.contract.v2 import (
+from shared.contract.v2 import Delivery, Embed, OutputFormat, Sampling, Tool, ToolCall, ToolChoice, Transcribe
+from shared.contract.v3 import (
     VERSION,
     AnyJob,
     ChatJob,
     CompletionJob,
-    Delivery,
-    Embed,
     EmbeddingJob,
     Generate,
+    ImagePart,
+    ImageRef,
     Message,
-    OutputFormat,
-    Sampling,
+    Part,
+    TextPart,
     Tokenize,
     TokenizeJob,
-    Tool,
-    ToolCall,
-    ToolChoice,
-    Transcribe,
     TranscriptionJob,
+    downgrade_to_v2,
+    images_of,
+    upgrade_v2,
 )
 
 __all__ = [
-    "CONTRACT_VERSION", "OLDEST_READABLE_VERSION", "AnyJob", "ChatJob", "CompletionJob", "Delivery", "Embed",
-    "EmbeddingJob", "Generate", "Message", "NewerContract", "OutputFormat", "Sampling", "Tokenize", "TokenizeJob",
-    "Tool", "ToolCall", "ToolChoice", "Transcribe", "TranscriptionJob", "UnreadableJob", "decode_job", "encode_job",
+    "CONTRACT_VERSION",
+    "OLDEST_READABLE_VERSION",
+    "AnyJob",
+    "ChatJob",
+    "CompletionJob",
+    "Delivery",
+    "Embed",
+    "EmbeddingJob",
+    "Generate",
+    "ImagePart",
+    "ImageRef",
+    "Message",
+    "NewerContract",
+    "OutputFormat",
+    "Part",
+    "Sampling",
+    "TextPart",
+    "Tokenize",
+    "TokenizeJob",
+    "Tool",
+    "ToolCall",
+    "ToolChoice",
+    "Transcribe",
+    "TranscriptionJob",
+    "UnreadableJob",
+    "decode_job",
+    "encode_job",
+    "images_of",
     "payload_version",
 ]  # fmt: skip
 
@@ -84,9 +109,13 @@ def encode_job(job: AnyJob, version: int = CONTRACT_VERSION) -> bytes:
     older release is live for its model)."""
     if version == CONTRACT_VERSION:
         return job.model_dump_json().encode()
+    if version == 2:
+        return json.dumps(downgrade_to_v2(job), ensure_ascii=False).encode()
     if version == 1:
         if isinstance(job, TranscriptionJob):
             raise ValueError("version 1 has no transcription jobs")
+        if images_of(job):
+            raise ValueError("version 1 has no images")
         return json.dumps(downgrade_to_v1(job), ensure_ascii=False).encode()
     raise ValueError(f"cannot write job contract version {version}")
 
@@ -116,6 +145,8 @@ def decode_job(payload: bytes) -> AnyJob:
             data = upgrade_v1(data)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise UnreadableJob(f"not a version-1 job: {exc!r}") from None
+    if version <= 2:
+        data = upgrade_v2(data)
     try:
         return _job_adapter.validate_python(data)
     except ValidationError as exc:
