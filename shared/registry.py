@@ -42,6 +42,7 @@ class WorkerInfo(BaseModel):
         default=1,
         description="The newest job contract version it reads (records without it are of version-1 workers).",
     )
+    vision: bool = Field(default=False, description="It takes images in chat messages (a vision-language model).")
     deterministic: bool = Field(
         default=False,
         description="A request's text depends on the request alone here: exact kernels, and its load-time "
@@ -57,3 +58,4 @@ class ModelRecord(BaseModel):
     last_seen: float
     max_model_len: int = 0
     task: WorkerTask = "generate"
+    vision: bool = Field(default=False, description="Its workers take images in chat messages.")
