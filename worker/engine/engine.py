@@ -262,6 +262,8 @@ class LLMEngine:
             return
         if request.start_event is not None:
             self._emit(request.request_id, request.start_event)
+        if request.images is not None and not self._encode_images(request):
+            return
         resume = request.resume
         if resume is not None:
             request.next_event_seq = resume.next_event_seq
@@ -279,6 +281,18 @@ class LLMEngine:
         if request.is_finished:  # every choice had finished; only the end event was missing
             self._emit(request.request_id, self._end_event(request), is_done=True)
             del self._requests[request.request_id]
+
+    def _encode_images(self, request: EngineRequest) -> bool:
+        """The request's image embeddings, on this thread (the vision tower is torch work too);
+        an image the tower cannot take fails its request, not the loop."""
+        assert request.images is not None
+        try:
+            request.images.ensure_encoded()
+        except Exception:
+            logger.exception("request %s: encoding its images failed", request.request_id)
+            self._abort_request(_Abort(request.request_id, ErrorKind.INTERNAL, "encoding the request's images failed"))
+            return False
+        return True
 
     def _resume_sequence(self, seq: Sequence, sent_token_ids: list[int]) -> None:
         """Rebuild the text pipeline from the tokens already sent and prefill them after the
@@ -318,6 +332,8 @@ class LLMEngine:
             return
         tokens = seq.prompt_token_ids + seq.output_token_ids
         if self.prefix_cache is not None:
-            self.prefix_cache.store(tokens, seq.sched.num_computed_tokens, self.runner.cache, seq.sched.slot)
+            self.prefix_cache.store(
+                seq.cache_keys(tokens), seq.sched.num_computed_tokens, self.runner.cache, seq.sched.slot
+            )
         elif self.scheduler.prefixes is not None:
             self.scheduler.prefixes.publish(seq, tokens, seq.sched.num_computed_tokens, finishing)

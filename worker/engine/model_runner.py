@@ -31,8 +31,15 @@ def prefix_of(seq: Sequence) -> SharedPrefix:
 
 class StepForward(Protocol):
     def hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: SlotKVCache
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: SlotKVCache,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -45,12 +52,22 @@ class TransformersForward:
         self.lm_head = model.get_output_embeddings()
 
     def hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: SlotKVCache
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: SlotKVCache,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        ids = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         output = self.decoder(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache, use_cache=True
+            **ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache, use_cache=True
         )
         return output.last_hidden_state
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeddings: torch.Tensor = self.decoder.get_input_embeddings()(input_ids)
+        return embeddings
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -118,9 +135,27 @@ class ModelRunner:
         if own_start is not None:
             mask &= key_positions[None, None, :] >= own_start[:, None, None]
         mask = mask[:, None]
-        hidden = self._forward(torch.tensor(token_rows, dtype=torch.long, device=device), positions, mask)
+        input_ids = torch.tensor(token_rows, dtype=torch.long, device=device)
+        embeds = self._with_images(input_ids, chunks)
+        hidden = self.forward.hidden_states(input_ids, positions, mask, self.cache, embeds)
         last = hidden[torch.arange(len(chunks), device=device), length_t - 1]
         return self._logits(last)
+
+    def _with_images(self, input_ids: torch.Tensor, chunks: Seq[PrefillChunk]) -> torch.Tensor | None:
+        """The step's input embeddings with every image placeholder's row replaced by its image
+        embedding (the model's own merge, done per chunk); None when no chunk holds image tokens."""
+        embeds = None
+        for row, chunk in enumerate(chunks):
+            images = chunk.seq.request.images
+            found = images.rows_in(chunk.start, chunk.length) if images is not None else None
+            if found is None:
+                continue
+            assert images is not None and images.embeds is not None, "the engine encodes images on admission"
+            if embeds is None:
+                embeds = self.forward.embed(input_ids)
+            offsets, indices = found
+            embeds[row, offsets.to(self.device)] = images.embeds[indices.to(images.embeds.device)].to(embeds.dtype)
+        return embeds
 
     def _shared_groups(
         self, prefixes: Seq[SharedPrefix] | None

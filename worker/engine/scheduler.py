@@ -255,7 +255,9 @@ class Scheduler:
         self._grow(seq, seq.sched.num_prefill_tokens + 1)  # the whole prompt, and the first token
         num_cached = seq.prefix.shared_len  # a shared prefix, attached before admission
         if self.prefix_cache is not None and self._memory is not None:
-            num_cached = self.prefix_cache.load(seq.sched.prefill_token_ids, self._memory, seq.sched.slot)
+            num_cached = self.prefix_cache.load(
+                seq.cache_keys(seq.sched.prefill_token_ids), self._memory, seq.sched.slot
+            )
             seq.sched.num_computed_tokens = num_cached
         if not seq.sched.num_preemptions:  # usage reports the prompt's cached tokens, once
             seq.sched.num_cached_tokens = num_cached

@@ -12,6 +12,7 @@ from shared.events import StartEvent
 from worker.engine.detokenizer import Decoder
 from worker.engine.output_state import OutputState
 from worker.engine.prefix_state import PrefixLink
+from worker.engine.prompt_images import PromptImages
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sampling_state import SequenceSampling
 from worker.engine.scheduling_state import SchedulingState
@@ -42,6 +43,7 @@ class EngineRequest:
     make_pipeline: Callable[[], TextPipeline] | None = None  # reasoning / tool-call parsing per choice
     constraint: CompiledConstraint | None = None  # a grammar the output must follow
     priority: int = 0  # 0 interactive, 1 batch: waiting requests are admitted in this order
+    images: PromptImages | None = None  # a chat prompt's images (one prompt, vision models)
     next_event_seq: int = 1  # 0 is the start event
     num_finished: int = 0
     num_completion_tokens: int = 0
@@ -95,3 +97,9 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1]
+
+    def cache_keys(self, token_ids: list[int]) -> list[int]:
+        """What the prefix caches hash for ``token_ids`` (this sequence's prompt, then outputs):
+        the ids themselves, with image placeholders named by their image (``prompt_images.py``)."""
+        images = self.request.images
+        return token_ids if images is None else images.keyed(token_ids)

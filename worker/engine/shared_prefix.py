@@ -281,7 +281,7 @@ class SharedPrefixes:
     def _hashes(self, seq: Sequence, tokens: list[int], num_blocks: int) -> list[int]:
         """The chained hashes of ``tokens``' first ``num_blocks`` blocks; ``tokens`` are ``seq``'s
         (prompt, then outputs), so the hashes it already has stay valid and only new blocks are hashed."""
-        extend_block_hashes(seq.prefix.block_hashes, tokens, num_blocks, self.block_size)
+        extend_block_hashes(seq.prefix.block_hashes, seq.cache_keys(tokens), num_blocks, self.block_size)
         return seq.prefix.block_hashes[:num_blocks]
 
     def _touch(self, prefix: PrefixSlot) -> None:

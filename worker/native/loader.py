@@ -19,7 +19,10 @@ def load_native(spec: DecoderSpec, dtype: torch.dtype, device: torch.device) -> 
     expected = set(model.state_dict())
     state: dict[str, torch.Tensor] = {}
     for path in spec.weight_files:
-        for name, tensor in load_file(str(path), device=str(device)).items():
+        for checkpoint_name, tensor in load_file(str(path), device=str(device)).items():
+            name = _decoder_name(checkpoint_name, spec)
+            if name is None:
+                continue  # another part's weight (a vision tower's)
             if name in expected:
                 state[name] = tensor.to(dtype)
             elif not (name.endswith(_COMPUTED) or (name == "lm_head.weight" and spec.tie_word_embeddings)):
@@ -31,3 +34,12 @@ def load_native(spec: DecoderSpec, dtype: torch.dtype, device: torch.device) -> 
     model.join_projections()
     model.set_rope(device)
     return model.eval().requires_grad_(False)
+
+
+def _decoder_name(name: str, spec: DecoderSpec) -> str | None:
+    """The decoder's name for a checkpoint weight; None for a weight of another part."""
+    if spec.body_prefix != "model." and name.startswith(spec.body_prefix):
+        return "model." + name[len(spec.body_prefix) :]
+    if name.startswith(spec.foreign_prefixes):
+        return None
+    return name

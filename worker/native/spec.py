@@ -11,6 +11,10 @@ from safetensors import safe_open
 
 # model_type → whether its attention normalises q and k per head (Qwen3) before RoPE.
 _ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
+# Vision-language checkpoints whose language model is one of those: model_type → the prefix of
+# its language model's weights (``model.`` in a plain checkpoint). The vision tower's weights
+# (everything else under ``model.``) are the vision model's (``worker/vision``).
+_VISION_LANGUAGE_BODIES = {"idefics3": "model.text_model.", "smolvlm": "model.text_model."}
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class DecoderSpec:
     o_proj_bias: bool
     mlp_bias: bool
     weight_files: tuple[Path, ...]
+    body_prefix: str = "model."  # where the checkpoint keeps the decoder body's weights
+    foreign_prefixes: tuple[str, ...] = ()  # weights of other parts (a vision tower), not the decoder's
 
 
 class UnsupportedCheckpoint(Exception):
@@ -77,6 +83,11 @@ def read_decoder_spec(folder: Path) -> DecoderSpec:
     if not config_path.is_file():
         raise UnsupportedCheckpoint("no local config.json")
     config = json.loads(config_path.read_text())
+    body_prefix, foreign_prefixes = "model.", tuple[str, ...]()
+    if config.get("model_type") in _VISION_LANGUAGE_BODIES:
+        body_prefix = _VISION_LANGUAGE_BODIES[config["model_type"]]
+        foreign_prefixes = ("model.",)  # checked after the body's prefix
+        config = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **config.get("text_config", {})}
     model_type = config.get("model_type")
     if model_type not in _ARCHITECTURES:
         raise UnsupportedCheckpoint(f"model type {model_type!r}")
@@ -104,10 +115,12 @@ def read_decoder_spec(folder: Path) -> DecoderSpec:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_norm=_ARCHITECTURES[model_type],
         # Biases differ by family (Qwen2: q, k, v but not o): the checkpoint's names say which.
-        qkv_bias="model.layers.0.self_attn.q_proj.bias" in names,
-        o_proj_bias="model.layers.0.self_attn.o_proj.bias" in names,
-        mlp_bias="model.layers.0.mlp.gate_proj.bias" in names,
+        qkv_bias=f"{body_prefix}layers.0.self_attn.q_proj.bias" in names,
+        o_proj_bias=f"{body_prefix}layers.0.self_attn.o_proj.bias" in names,
+        mlp_bias=f"{body_prefix}layers.0.mlp.gate_proj.bias" in names,
         weight_files=files,
+        body_prefix=body_prefix,
+        foreign_prefixes=foreign_prefixes,
     )
 
 

@@ -24,6 +24,8 @@ from worker.requests.prepare import chat_prompt_ids, prepare_chat, prepare_compl
 from worker.requests.tooling import ToolingConfig
 from worker.structured import ConstraintCompiler
 
+ImageBytes = dict[str, bytes]
+
 
 class Work(Protocol):
     start_event: StartEvent | None
@@ -47,10 +49,11 @@ class Engine(Protocol):
 class JobHandler(Protocol):
     engine: Engine
 
-    def prepare(self, job: AnyJob, resume: ResumeState | None) -> Work:
-        """The engine's unit of work for ``job`` (continuing ``resume``); RelayError when it cannot run here."""
+    def prepare(self, job: AnyJob, resume: ResumeState | None, images: ImageBytes | None = None) -> Work:
+        """The engine's unit of work for ``job`` (continuing ``resume``; ``images``: the bytes of
+        the images it names, by hash); RelayError when it cannot run here."""
 
-    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
+    def tokenize(self, job: TokenizeJob, images: ImageBytes | None = None) -> tuple[list[int], str | None]:
         """The job's token ids and (detokenizing) their text; RelayError when this worker cannot tell."""
 
 
@@ -80,10 +83,12 @@ class GenerationHandler:
             )
         return self._compiler
 
-    def prepare(self, job: AnyJob, resume: ResumeState | None) -> EngineRequest:
+    def prepare(self, job: AnyJob, resume: ResumeState | None, images: ImageBytes | None = None) -> EngineRequest:
         limits = RequestLimits(self.engine.max_running, self.max_tokens_over_context)
         if isinstance(job, ChatJob):
-            request = prepare_chat(job.job_id, job.request, self.loaded, self.tooling, limits, self.get_compiler)
+            request = prepare_chat(
+                job.job_id, job.request, self.loaded, self.tooling, limits, self.get_compiler, images
+            )
         elif isinstance(job, CompletionJob):
             request = prepare_completion(job.job_id, job.request, self.loaded, limits)
         else:
@@ -91,7 +96,7 @@ class GenerationHandler:
         request.resume = resume
         return request
 
-    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
+    def tokenize(self, job: TokenizeJob, images: ImageBytes | None = None) -> tuple[list[int], str | None]:
         request, tokenizer = job.request, self.loaded.tokenizer
         if request.tokens is not None:
             vocab_size = self.loaded.vocab_size
@@ -101,7 +106,7 @@ class GenerationHandler:
                 raise RelayError(ErrorKind.INVALID_REQUEST, message, "tokens")
             return request.tokens, tokenizer.decode(request.tokens)
         if request.chat is not None:
-            return chat_prompt_ids(request.chat, self.loaded, self.tooling), None
+            return chat_prompt_ids(request.chat, self.loaded, self.tooling, images), None
         return tokenizer.encode(request.prompt or "", add_special_tokens=request.add_special_tokens), None
 
 
@@ -110,7 +115,7 @@ class EmbeddingHandler:
         self.embedder = embedder
         self.engine = engine
 
-    def prepare(self, job: AnyJob, resume: ResumeState | None) -> EmbeddingWork:
+    def prepare(self, job: AnyJob, resume: ResumeState | None, images: ImageBytes | None = None) -> EmbeddingWork:
         """Embeddings arrive in one event: an interrupted job simply runs again."""
         if not isinstance(job, EmbeddingJob):
             raise _wrong_task(job, "embeddings")
@@ -131,7 +136,7 @@ class EmbeddingHandler:
             raise RelayError(ErrorKind.CONTEXT_LENGTH_EXCEEDED, message, "input")
         return EmbeddingWork(job.job_id, inputs, start_event=None)
 
-    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
+    def tokenize(self, job: TokenizeJob, images: ImageBytes | None = None) -> tuple[list[int], str | None]:
         raise _wrong_task(job, "embeddings")
 
 
@@ -142,7 +147,7 @@ class TranscriptionHandler:
         self.whisper = whisper
         self.engine = engine
 
-    def prepare(self, job: AnyJob, resume: ResumeState | None) -> TranscriptionWork:
+    def prepare(self, job: AnyJob, resume: ResumeState | None, images: ImageBytes | None = None) -> TranscriptionWork:
         raise _wrong_task(job, "audio transcription")
 
     def prepare_window(self, job: TranscriptionJob, pcm: bytes, resume: WindowResume | None) -> TranscriptionWork:
@@ -171,5 +176,5 @@ class TranscriptionHandler:
             message = f"Model `{request.model}` is English-only; the language must be `en`, not `{request.language}`."
         raise RelayError(ErrorKind.INVALID_REQUEST, message, "language")
 
-    def tokenize(self, job: TokenizeJob) -> tuple[list[int], str | None]:
+    def tokenize(self, job: TokenizeJob, images: ImageBytes | None = None) -> tuple[list[int], str | None]:
         raise _wrong_task(job, "audio transcription")

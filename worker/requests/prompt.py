@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from shared.contract import Generate, Message, ToolCall
+from shared.contract import Generate, ImagePart, Message, ToolCall
 from shared.errors import ErrorKind, RelayError
 
 if TYPE_CHECKING:
@@ -23,8 +23,20 @@ def _tool_call_for_template(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
-def to_template_message(message: Message) -> dict[str, Any]:
-    rendered: dict[str, Any] = {"role": message.role, "content": message.content}
+def _template_content(message: Message, as_parts: bool) -> str | list[dict[str, Any]]:
+    """Text, or (for a vision model's template) parts: one ``{"type": "image"}`` marker per image,
+    which the model's processor expands into the image's placeholder tokens."""
+    content = message.content
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if as_parts else content
+    if not as_parts:
+        raise RelayError(ErrorKind.INVALID_REQUEST, "This model does not take image input.", "messages")
+    return [{"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+            for part in content]  # fmt: skip
+
+
+def to_template_message(message: Message, as_parts: bool = False) -> dict[str, Any]:
+    rendered: dict[str, Any] = {"role": message.role, "content": _template_content(message, as_parts)}
     if message.role == "assistant":
         if message.tool_calls:
             rendered["tool_calls"] = [_tool_call_for_template(call) for call in message.tool_calls]
@@ -35,13 +47,20 @@ def to_template_message(message: Message) -> dict[str, Any]:
     return rendered
 
 
-def _with_system_prompt(messages: list[dict[str, Any]], system_prompt: str | None) -> list[dict[str, Any]]:
+def _with_system_prompt(
+    messages: list[dict[str, Any]], system_prompt: str | None, as_parts: bool
+) -> list[dict[str, Any]]:
     if system_prompt is None:
         return messages
     if messages and messages[0]["role"] == "system":
-        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{system_prompt}"}
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": system_prompt}, *messages]
+        content = messages[0]["content"]
+        if isinstance(content, list):
+            content = [*content, {"type": "text", "text": f"\n\n{system_prompt}"}]
+        else:
+            content = f"{content}\n\n{system_prompt}"
+        return [{**messages[0], "content": content}, *messages[1:]]
+    system: Any = [{"type": "text", "text": system_prompt}] if as_parts else system_prompt
+    return [{"role": "system", "content": system}, *messages]
 
 
 def render_prompt(
@@ -51,9 +70,22 @@ def render_prompt(
     system_prompt: str | None = None,
 ) -> tuple[list[int], str]:
     """Token ids and text of the prompt; ``tools`` go to the template, ``system_prompt`` is added."""
+    text = render_prompt_text(tokenizer, request, tools, system_prompt)
+    return tokenizer.encode(text, add_special_tokens=False), text
+
+
+def render_prompt_text(
+    tokenizer: PreTrainedTokenizerBase,
+    request: Generate,
+    tools: list[dict[str, Any]] | None = None,
+    system_prompt: str | None = None,
+    as_parts: bool = False,
+) -> str:
+    """The chat template's text; ``as_parts``: messages as text and image parts (vision models)."""
     if not tokenizer.chat_template:
         raise RelayError(ErrorKind.INVALID_REQUEST, f"model {request.model!r} has no chat template", "messages")
-    messages = _with_system_prompt([to_template_message(message) for message in request.messages or []], system_prompt)
+    rendered = [to_template_message(message, as_parts) for message in request.messages or []]
+    messages = _with_system_prompt(rendered, system_prompt, as_parts)
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -64,4 +96,4 @@ def render_prompt(
         )
     except TemplateError as exc:
         raise RelayError(ErrorKind.INVALID_REQUEST, f"chat template rejected the messages: {exc}", "messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False), text
+    return str(text)

@@ -29,6 +29,7 @@ from shared.contract import (
     TranscriptionJob,
     UnreadableJob,
     decode_job,
+    images_of,
 )
 from shared.errors import ErrorKind, RelayError
 from shared.events import DeltaEvent, EndEvent, ErrorEvent, SegmentEvent, StartEvent, TranscriptEvent, UsageCounts
@@ -37,7 +38,7 @@ from shared.log_setup import log_transition
 from worker.audio.engine import TranscriptionWork, WindowResume
 from worker.engine.engine import RequestOutput
 from worker.engine.sequence import ResumeState
-from worker.requests.handlers import JobHandler, TranscriptionHandler, Work
+from worker.requests.handlers import ImageBytes, JobHandler, TranscriptionHandler, Work
 from worker.service.publisher import EventPublisher, PublishOutcome
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class JobRunner:
                 work: Work = await self._prepare_window(claim, job, self._handler)
             else:
                 resume = await self._resume_state(claim) if claim.next_seq > 0 else None
-                work = self._prepare(job, resume)
+                work = self._prepare(job, resume, await self._read_images(job))
         except Exception as exc:
             await self._end_with(claim, self._refusal(exc, job_id, request_id))
             return
@@ -141,7 +142,7 @@ class JobRunner:
         try:
             if job.request.model != self._model_id:
                 raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
-            token_ids, text = self._handler.tokenize(job)
+            token_ids, text = self._handler.tokenize(job, await self._read_images(job))
         except Exception as exc:
             await self._end_with(claim, self._refusal(exc, claim.job_id, job.request_id))
             return
@@ -232,10 +233,21 @@ class JobRunner:
         log_transition(logger, "rejected", job_id, request_id, code=exc.spec.code or exc.kind.value)
         return exc
 
-    def _prepare(self, job: AnyJob, resume: ResumeState | None) -> Work:
+    def _prepare(self, job: AnyJob, resume: ResumeState | None, images: ImageBytes) -> Work:
         if job.request.model != self._model_id:
             raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
-        return self._handler.prepare(job, resume)
+        return self._handler.prepare(job, resume, images)
+
+    async def _read_images(self, job: AnyJob) -> ImageBytes:
+        """The bytes of the images the job names (stored apart from it, see ``ImageRef``)."""
+        images: ImageBytes = {}
+        for ref in images_of(job):
+            if ref.sha256 not in images:
+                data = await self._lifecycle.read_image(ref.sha256)
+                if data is None:
+                    raise RelayError(ErrorKind.EXPIRED, "An image of this request expired before a worker took it.")
+                images[ref.sha256] = data
+        return images
 
     async def _prepare_window(
         self, claim: Claim, job: TranscriptionJob, handler: TranscriptionHandler

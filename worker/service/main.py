@@ -211,6 +211,7 @@ class WorkerProcess:
             max_len = 0  # windows, not tokens: the API cuts recordings into windows of at most 30 s
         else:
             max_len = loaded.max_input_tokens if isinstance(loaded, LoadedEmbedder) else loaded.max_model_len
+        self.registration.info.vision = isinstance(loaded, LoadedModel) and loaded.vision is not None
         self.registration.set_ready(engine.max_running, max_len, engine.load)
         await self.registration.beat()
         consume = asyncio.gather(*(consumer.main() for consumer in consumers))

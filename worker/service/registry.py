@@ -107,6 +107,7 @@ class WorkerRegistration:
             last_seen=now,
             max_model_len=self.info.max_model_len,
             task=self.info.task,
+            vision=self.info.vision,
         )
 
     async def _run(self) -> None:

@@ -1,0 +1,80 @@
+"""Tiny vision-language models for tests: random weights (named as such), the real SmolLM2
+tokenizer with the family's image tokens added, and the family's real processor classes and
+chat template, so prompts expand images into placeholder tokens exactly as in production."""
+
+from __future__ import annotations
+
+import fcntl
+from pathlib import Path
+
+import torch
+from PIL import Image
+from transformers import AutoTokenizer
+
+from tests.support.models import default_model_dir, test_cache_dir
+
+# SmolVLM's chat template (content is always a list of parts).
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def tiny_random_idefics3_dir(seed: int = 0) -> Path:
+    """An Idefics3 (SmolVLM's architecture): a 2-layer SigLIP-style tower on 32-pixel tiles of
+    8-pixel patches, pixel-shuffled by 2 into 4 tokens a tile, and a 2-layer Llama, 64 wide."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    target = test_cache_dir() / f"tiny-random-idefics3-{seed}"
+    marker = target / ".built"
+    if marker.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".tiny-idefics3-{seed}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            return target
+        tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+        row_col = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+        tokenizer.add_special_tokens(
+            {"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<end_of_utterance>",
+                                           "<global-img>", *row_col]}
+        )  # fmt: skip
+        image_processor = Idefics3ImageProcessorPil(
+            do_image_splitting=True, size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+        )
+        processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=4, chat_template=SMOLVLM_CHAT_TEMPLATE)
+        config = Idefics3Config(
+            text_config={
+                "model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 1024, "tie_word_embeddings": False,
+                "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.eos_token_id,
+            },
+            vision_config={
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "image_size": 32, "patch_size": 8,
+            },
+            scale_factor=2,
+            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        model = Idefics3ForConditionalGeneration(config)
+        model.save_pretrained(target)
+        processor.save_pretrained(target)
+        marker.touch()
+    return target
+
+
+def sample_image(width: int = 48, height: int = 40, seed: int = 0) -> Image.Image:
+    """A small RGB image with some structure (random blocks), the same for the same seed."""
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height // 8 + 1, width // 8 + 1, 3), generator=generator, dtype=torch.uint8)
+    blocks = pixels.repeat_interleave(8, 0).repeat_interleave(8, 1)[:height, :width]
+    return Image.fromarray(blocks.numpy(), "RGB")

@@ -1,0 +1,88 @@
+"""A vision-language model's image side: prompts with images become token ids and the engine's
+``PromptImages``; each image's embeddings are kept by content hash, so an image sent again (the
+next turn of a conversation, another request) is not encoded again."""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.contract import ImageRef
+from shared.errors import ErrorKind, RelayError
+from worker.engine.prompt_images import PromptImages, placeholder_key
+from worker.vision.families import PixelInputs, VisionFamily
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VisionStats:
+    """Counted on the engine thread, read by the heartbeat (plain ints and floats: no lock needed)."""
+
+    images_encoded: int = 0
+    image_cache_hits: int = 0
+    encode_seconds: float = 0.0
+
+
+class VisionModel:
+    def __init__(self, family: VisionFamily, processor: Any, max_cached_images: int = 64) -> None:
+        self.family = family
+        self.processor = processor
+        self.stats = VisionStats()
+        self._max_cached = max_cached_images
+        self._embeddings: OrderedDict[str, torch.Tensor] = OrderedDict()  # engine thread only
+
+    def prompt(
+        self, text: str, images: list[ImageRef], image_bytes: dict[str, bytes]
+    ) -> tuple[list[int], PromptImages]:
+        """Token ids of the rendered chat ``text`` (one image marker per image, in order), and
+        its images for the engine. Runs where the job is prepared: the processor only."""
+        from PIL import Image, UnidentifiedImageError
+
+        decoded = []
+        for ref in images:
+            data = image_bytes.get(ref.sha256)
+            if data is None:
+                raise RelayError(ErrorKind.EXPIRED, f"The image {ref.sha256[:12]}… expired before a worker took it.")
+            try:
+                with Image.open(io.BytesIO(data)) as image:
+                    decoded.append(image.convert("RGB"))
+            except (UnidentifiedImageError, OSError) as exc:
+                raise RelayError(ErrorKind.INVALID_REQUEST, f"An image could not be decoded: {exc}") from exc
+        batch = self.processor(text=[text], images=[decoded] if decoded else None, return_tensors="pt")
+        token_ids: list[int] = batch["input_ids"][0].tolist()
+        inputs = [self.family.pixel_inputs(image) for image in decoded]
+        counts = [self.family.num_tokens(one) for one in inputs]
+        positions = [i for i, token in enumerate(token_ids) if token == self.family.image_token_id]
+        if len(positions) != sum(counts):
+            raise RelayError(ErrorKind.INVALID_REQUEST, "The prompt's image markers do not match its images.")
+        keys = [placeholder_key(ref.sha256, index) for ref, count in zip(images, counts, strict=True)
+                for index in range(count)]  # fmt: skip
+        shas = [ref.sha256 for ref in images]
+        return token_ids, PromptImages(positions, keys, lambda: self._encode(shas, inputs))
+
+    def _encode(self, shas: list[str], inputs: list[PixelInputs]) -> torch.Tensor:
+        """Engine thread: every image's embeddings, from the cache where it has them."""
+        parts = []
+        for sha, one in zip(shas, inputs, strict=True):
+            cached = self._embeddings.get(sha)
+            if cached is not None:
+                self._embeddings.move_to_end(sha)
+                self.stats.image_cache_hits += 1
+                parts.append(cached)
+                continue
+            started = time.perf_counter()
+            embeddings = self.family.encode(one)
+            self.stats.encode_seconds += time.perf_counter() - started
+            self.stats.images_encoded += 1
+            self._embeddings[sha] = embeddings
+            while len(self._embeddings) > self._max_cached:
+                self._embeddings.popitem(last=False)
+            parts.append(embeddings)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
