@@ -78,3 +78,71 @@ def sample_image(width: int = 48, height: int = 40, seed: int = 0) -> Image.Imag
     pixels = torch.randint(0, 256, (height // 8 + 1, width // 8 + 1, 3), generator=generator, dtype=torch.uint8)
     blocks = pixels.repeat_interleave(8, 0).repeat_interleave(8, 1)[:height, :width]
     return Image.fromarray(blocks.numpy(), "RGB")
+
+
+# Qwen2-VL's chat template, shortened to what tests send (no system default, no video).
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def tiny_random_qwen_vl_dir(kind: str, seed: int = 0) -> Path:
+    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL: a 2-layer vision tower on 8-pixel patches merged 2×2,
+    and a 2-layer language model 64 wide with multimodal RoPE (Qwen3-VL: interleaved, q/k norms
+    and one deepstack layer), on Qwen's tokenizer (``tests/support/qwen.py``)."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tests.support.qwen import qwen3_tokenizer_dir
+
+    target = test_cache_dir() / f"tiny-random-{kind}-{seed}"
+    marker = target / ".built"
+    if marker.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".tiny-{kind}-{seed}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            return target
+        tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+        tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+        image_processor = Qwen2VLImageProcessorPil(
+            min_pixels=16 * 16, max_pixels=64 * 64, patch_size=8, merge_size=2, temporal_patch_size=2
+        )
+        rope: dict[str, object] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        text: dict[str, object] = {
+            "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+            "rope_parameters": rope, "tie_word_embeddings": False,
+        }  # fmt: skip
+        tower: dict[str, object] = {"depth": 2, "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2}
+        if kind == "qwen2_vl":
+            tower |= {"embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+            config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+        elif kind == "qwen2_5_vl":
+            tower |= {"hidden_size": 32, "out_hidden_size": 64, "intermediate_size": 64, "num_heads": 2,
+                      "window_size": 32, "fullatt_block_indexes": [1]}  # fmt: skip
+            config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+        else:
+            tower |= {"hidden_size": 32, "out_hidden_size": 64, "intermediate_size": 64, "num_heads": 2,
+                      "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}  # fmt: skip
+            text |= {"head_dim": 16, "rope_parameters": {**rope, "mrope_interleaved": True}}
+            config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+        config = config_class(
+            text_config=text, vision_config=tower, tie_word_embeddings=False,
+            image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+            video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+            vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        model_class(config).save_pretrained(target)
+        tokenizer.save_pretrained(target)
+        image_processor.save_pretrained(target)
+        marker.touch()
+    return target

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from worker.engine.prefix_state import PrefixLink, PrefixSlot
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduling_state import SchedulingState
 from worker.engine.sequence import EngineRequest, Sequence
 
 
@@ -18,3 +20,17 @@ def make_seq(params: SamplingParams | None = None, prompt: list[int] | None = No
     seq = Sequence(request, 0, request.prompts[0], CharDecoder())
     request.sequences.append(seq)
     return seq
+
+
+class _TextRequest:
+    images = None
+
+
+class RunnerSeq:
+    """What the model runner reads of a sequence: its tokens to prefill, its slot, its shared
+    prefix (none by default), and a request without images."""
+
+    def __init__(self, tokens: list[int], slot: int, prefix_slot: int | None = None, shared_len: int = 0) -> None:
+        self.sched = SchedulingState(tokens, slot=slot)
+        self.prefix = PrefixLink(PrefixSlot(prefix_slot) if prefix_slot is not None else None, shared_len)
+        self.request = _TextRequest()

@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from tests.conftest import make_stack
+from tests.worker.engine_helpers import RunnerSeq
 from tests.worker.test_engine import Collector
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.model_runner import ModelRunner
-from worker.engine.prefix_state import PrefixLink
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import PrefillChunk
-from worker.engine.scheduling_state import SchedulingState
 from worker.engine.sequence import EngineRequest
 from worker.models.loader import LoadedModel, load_model
 from worker.native.compiled_decode import CompiledDecode, CompileState, build_package, can_compile, package_key
@@ -31,14 +30,6 @@ from worker.native.kv_cache import KVCacheLayout, SlotKVCache
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not can_compile(), reason="needs a C++ compiler")]
 MAX_LEN = 128
 SLOTS = 3
-
-
-class _Prompt:
-    """A prefill chunk's sequence: its prompt, in slot 0, reading no shared prefix."""
-
-    def __init__(self, token_ids: list[int]) -> None:
-        self.sched = SchedulingState(token_ids, slot=0)
-        self.prefix = PrefixLink()
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +66,7 @@ def test_the_package_computes_the_eager_steps_logits_and_cache(native: LoadedMod
     prompt = [1, 17, 23, 5]
     with torch.inference_mode():
         for runner in (eager, compiled):
-            runner.prefill([PrefillChunk(_Prompt(prompt), 0, len(prompt))])  # type: ignore[arg-type]
+            runner.prefill([PrefillChunk(RunnerSeq(prompt, slot=0), 0, len(prompt))])  # type: ignore[arg-type]
         for position in range(len(prompt), 60):
             token = 7 + position % 11
             expected, got = eager.decode([token], [position]), compiled.decode([token], [position])

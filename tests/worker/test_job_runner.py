@@ -32,7 +32,7 @@ class _FailingHandler:
     def __init__(self, error: Exception) -> None:
         self.error = error
 
-    def prepare(self, job: AnyJob, resume: ResumeState | None) -> object:
+    def prepare(self, job: AnyJob, resume: ResumeState | None, images: object = None) -> object:
         raise self.error
 
 

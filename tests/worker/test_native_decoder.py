@@ -21,10 +21,9 @@ from transformers import (
 )
 
 from tests.support.models import tiny_random_llama_dir
+from tests.worker.engine_helpers import RunnerSeq
 from worker.engine.model_runner import ModelRunner
-from worker.engine.prefix_state import PrefixLink
 from worker.engine.scheduler import PrefillChunk
-from worker.engine.scheduling_state import SchedulingState
 from worker.models.loader import ModelLoadError, load_model
 from worker.native.decoder import NativeCausalLM, RMSNorm
 from worker.native.kv_cache import KVCacheLayout, SlotKVCache
@@ -77,14 +76,6 @@ def _reference(folder: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-class _Seq:
-    """What the model runner reads of a sequence: its tokens to prefill, its slot, no prefix."""
-
-    def __init__(self, tokens: list[int], slot: int) -> None:
-        self.sched = SchedulingState(tokens, slot=slot)
-        self.prefix = PrefixLink()
-
-
 def _runner(model: NativeCausalLM, slots: int = 3) -> ModelRunner:
     layout = KVCacheLayout.from_config(model.config, torch.float32, torch.device("cpu"))
     return ModelRunner(model, SlotKVCache(layout, slots, 64))
@@ -95,7 +86,7 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint: Path) -> None:
     runner = _runner(load_native(read_decoder_spec(checkpoint), torch.float32, torch.device("cpu")))
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=generator).tolist() for n in (11, 4)]
-    seqs = [_Seq(prompt, slot) for slot, prompt in enumerate(prompts)]
+    seqs = [RunnerSeq(prompt, slot) for slot, prompt in enumerate(prompts)]
     # Row 0 in two chunks (the second beside row 1's whole, shorter prompt); then two decode steps.
     runner.prefill([PrefillChunk(seqs[0], 0, 6)])  # type: ignore[arg-type]
     last = runner.prefill([PrefillChunk(seqs[0], 6, 5), PrefillChunk(seqs[1], 0, 4)])  # type: ignore[arg-type]
@@ -117,7 +108,7 @@ def test_greedy_tokens_through_the_engine_equal_generate(checkpoint: Path) -> No
     reference = _reference(checkpoint)
     prompt = list(range(5, 25))
     runner = _runner(loaded.model, slots=1)
-    logits = runner.prefill([PrefillChunk(_Seq(prompt, 0), 0, len(prompt))])  # type: ignore[arg-type]
+    logits = runner.prefill([PrefillChunk(RunnerSeq(prompt, 0), 0, len(prompt))])  # type: ignore[arg-type]
     ours: list[int] = []
     for _ in range(12):
         ours.append(int(logits[0].argmax()))

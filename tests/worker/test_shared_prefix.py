@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from shared.events import DeltaEvent
+from tests.worker.engine_helpers import RunnerSeq
 from tests.worker.test_engine import Collector
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine
 from worker.engine.model_runner import ModelRunner
 from worker.engine.prefix_cache import block_hashes, extend_block_hashes
-from worker.engine.prefix_state import PrefixLink, PrefixSlot
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import PrefillChunk
-from worker.engine.scheduling_state import SchedulingState, SequenceStatus
+from worker.engine.scheduling_state import SequenceStatus
 from worker.engine.sequence import EngineRequest
 from worker.engine.shared_prefix import SharedPrefixes
 from worker.models.loader import LoadedModel, load_model
@@ -42,14 +42,6 @@ def native(tiny_model_path: Path) -> LoadedModel:
     return loaded
 
 
-class _Seq:
-    """What the model runner reads of a sequence: its tokens to prefill, its slot, its prefix."""
-
-    def __init__(self, tokens: list[int], slot: int, prefix_slot: int | None = None, shared_len: int = 0) -> None:
-        self.sched = SchedulingState(tokens, slot=slot)
-        self.prefix = PrefixLink(PrefixSlot(prefix_slot) if prefix_slot is not None else None, shared_len)
-
-
 def test_rows_reading_a_shared_prefix_get_the_logits_of_their_whole_sequence(
     native: LoadedModel, tiny_model_path: Path
 ) -> None:
@@ -63,11 +55,16 @@ def test_rows_reading_a_shared_prefix_get_the_logits_of_their_whole_sequence(
     prompts = [prefix + tails[0], prefix + tails[1], tails[2], prefix + tails[3]]
     pslot = cache.first_prefix_slot
     # Row 0 computes the prefix in its own slot; the prefix slot gets a copy of it.
-    owner = _Seq(prompts[0], 0)
+    owner = RunnerSeq(prompts[0], 0)
     runner.prefill([PrefillChunk(owner, 0, len(prompts[0]))])  # type: ignore[arg-type]
     cache.copy_positions(0, pslot, 0, CHAIN)
     # Rows 1 and 3 read it (one group) beside row 2, which has no prefix, in one prefill step.
-    seqs = [owner, _Seq(prompts[1], 1, pslot, CHAIN), _Seq(prompts[2], 2), _Seq(prompts[3], 3, pslot, CHAIN)]
+    seqs = [
+        owner,
+        RunnerSeq(prompts[1], 1, pslot, CHAIN),
+        RunnerSeq(prompts[2], 2),
+        RunnerSeq(prompts[3], 3, pslot, CHAIN),
+    ]
     chunks = [PrefillChunk(seqs[1], CHAIN, 5), PrefillChunk(seqs[2], 0, 12), PrefillChunk(seqs[3], CHAIN, 6)]
     last = runner.prefill(chunks)  # type: ignore[arg-type]
     steps = {1: [last[0]], 2: [last[1]], 3: [last[2]]}

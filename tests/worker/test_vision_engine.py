@@ -5,6 +5,7 @@ the image and prefix caches with identical output."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 from collections.abc import Callable
@@ -16,6 +17,8 @@ import torch
 from PIL import Image
 
 from shared.contract import ImageRef
+from tests.support.vision import QWEN_VL_FAMILIES, sample_image, tiny_random_idefics3_dir, tiny_random_qwen_vl_dir
+from tests.worker.test_engine import Collector, _drain
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine
 from worker.engine.prefix_cache import BLOCK_SIZE
@@ -23,11 +26,13 @@ from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import EngineRequest
 from worker.models.loader import LoadedModel, load_model
 from worker.native.kv_cache import KVCacheLayout
-from tests.support.vision import sample_image, tiny_random_idefics3_dir
-from tests.worker.test_engine import Collector, _drain
+from worker.vision.families import Idefics3Family
 
 MAX_LEN = 512
-FAMILIES: dict[str, Callable[[], Path]] = {"idefics3": tiny_random_idefics3_dir}
+FAMILIES: dict[str, Callable[[], Path]] = {
+    "idefics3": tiny_random_idefics3_dir,
+    **{kind: functools.partial(tiny_random_qwen_vl_dir, kind) for kind in QWEN_VL_FAMILIES},
+}
 
 
 def _png(image: Image.Image) -> bytes:
@@ -70,27 +75,47 @@ def _conversation(question: str, num_images: int) -> list[dict[str, Any]]:
 
 
 def _request(
-    loaded: LoadedModel, request_id: str, images: list[Image.Image], question: str = "What is in the picture?",
+    loaded: LoadedModel,
+    request_id: str,
+    images: list[Image.Image],
+    question: str = "What is in the picture?",
     max_new: int = 8,
 ) -> tuple[EngineRequest, str]:
     assert loaded.vision is not None
-    text = loaded.vision.processor.apply_chat_template(_conversation(question, len(images)), add_generation_prompt=True)
+    conversation = _conversation(question, len(images))
+    text = loaded.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     blobs = [_png(image) for image in images]
     refs = [_ref(data, image) for data, image in zip(blobs, images, strict=True)]
-    ids, prompt_images = loaded.vision.prompt(text, refs, {ref.sha256: data for ref, data in zip(refs, blobs, strict=True)})
+    stored = {ref.sha256: data for ref, data in zip(refs, blobs, strict=True)}
+    ids, prompt_images = loaded.vision.prompt(str(text), refs, stored)
     params = SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)
-    return EngineRequest(request_id, [ids], params, images=prompt_images), text
+    return EngineRequest(request_id, [ids], params, images=prompt_images), str(text)
 
 
-def _reference_inputs(loaded: LoadedModel, text: str, images: list[Image.Image]) -> Any:
+def _reference_inputs(loaded: LoadedModel, request: EngineRequest, text: str, images: list[Image.Image]) -> Any:
+    """The reference model's inputs for the same prompt: Idefics3's own processor; for Qwen-VL,
+    the worker's token ids with the image processor's pixels and grids (transformers' Qwen-VL
+    processors need torchvision for their video half), positions left to the reference model."""
     assert loaded.vision is not None
-    # The reference decodes the same PNG bytes the worker reads.
-    decoded = [Image.open(io.BytesIO(_png(image))).convert("RGB") for image in images]
-    return loaded.vision.processor(text=[text], images=[decoded], return_tensors="pt")
+    decoded = [Image.open(io.BytesIO(_png(image))).convert("RGB") for image in images]  # the bytes the worker reads
+    family = loaded.vision.family
+    if isinstance(family, Idefics3Family):
+        inputs = family._processor(text=[text], images=[decoded], return_tensors="pt")
+        assert inputs["input_ids"][0].tolist() == request.prompts[0]
+        return inputs
+    pixels = [family.pixel_inputs(image) for image in decoded]
+    input_ids = torch.tensor([request.prompts[0]])
+    return {
+        "input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+        "pixel_values": torch.cat([p["pixel_values"] for p in pixels]),
+        "image_grid_thw": torch.cat([p["image_grid_thw"] for p in pixels]),
+        "mm_token_type_ids": (input_ids == family.image_token_id).int(),
+    }  # fmt: skip
 
 
 def test_prefill_logits_equal_the_reference_forward(family: tuple[LoadedModel, Any]) -> None:
     loaded, reference = family
+    assert loaded.vision is not None
     images = [sample_image(48, 40, seed=1), sample_image(30, 64, seed=2)]
     request, text = _request(loaded, "r", images)
     engine, collector = _engine(loaded)
@@ -99,8 +124,9 @@ def test_prefill_logits_equal_the_reference_forward(family: tuple[LoadedModel, A
     engine.runner.prefill = lambda chunks: captured.append(prefill(chunks)) or captured[-1]  # type: ignore[method-assign]
     engine.submit(request)
     _drain(engine, collector, {"r"})
-    inputs = _reference_inputs(loaded, text, images)
-    assert inputs["input_ids"][0].tolist() == request.prompts[0]
+    inputs = _reference_inputs(loaded, request, text, images)
+    if not isinstance(loaded.vision.family, Idefics3Family):  # multimodal RoPE: later tokens' positions shift
+        assert request.images is not None and request.images.rope_delta < 0
     with torch.inference_mode():
         expected = reference(**inputs).logits[0, -1]
     torch.testing.assert_close(captured[0][0], expected, atol=2e-5, rtol=1e-4)
@@ -110,7 +136,7 @@ def test_greedy_text_equals_the_reference_alone_and_batched_with_text(family: tu
     loaded, reference = family
     images = [sample_image(64, 48, seed=3)]
     request, text = _request(loaded, "image", images, max_new=10)
-    inputs = _reference_inputs(loaded, text, images)
+    inputs = _reference_inputs(loaded, request, text, images)
     with torch.inference_mode():
         generated = reference.generate(**inputs, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     expected = generated[0, inputs["input_ids"].shape[1] :].tolist()
@@ -123,8 +149,8 @@ def test_greedy_text_equals_the_reference_alone_and_batched_with_text(family: tu
     # A small token budget: prefill chunks cut through the image's placeholders, beside text rows.
     batched, batched_out = _engine(loaded, budget=24)
     again, _ = _request(loaded, "image", images, max_new=10)
-    texts = [EngineRequest(f"text{i}", [loaded.tokenizer.encode(f"plain text prompt number {i}")],
-                           SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)) for i in range(3)]  # fmt: skip
+    short = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    texts = [EngineRequest(f"text{i}", [loaded.tokenizer.encode(f"plain text prompt {i}")], short) for i in range(3)]
     batched.submit(texts[0])
     batched.submit(again)
     for other in texts[1:]:

@@ -208,7 +208,9 @@ class LLMEngine:
             running = scheduled.running
             token_ids = [seq.last_token_id if seq.sched.status is SequenceStatus.DECODING else 0 for seq in running]
             positions = [seq.sched.num_computed_tokens for seq in running]
-            logits = self.runner.decode(token_ids, positions, [prefix_of(seq) for seq in running])
+            deltas = [seq.request.images.rope_delta if seq.request.images is not None else 0 for seq in running]
+            rope_deltas = deltas if any(deltas) else None
+            logits = self.runner.decode(token_ids, positions, [prefix_of(seq) for seq in running], rope_deltas)
             if len(decoding) < len(running):
                 logits = logits[[seq.sched.slot for seq in decoding]]
             parts.append(logits)

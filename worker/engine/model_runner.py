@@ -13,7 +13,7 @@ import torch
 
 from worker.engine.scheduler import PrefillChunk
 from worker.engine.sequence import Sequence
-from worker.native.decoder import NativeCausalLM
+from worker.native.decoder import Deepstack, NativeCausalLM
 from worker.native.kv_cache import SharedGroup, SlotKVCache
 from worker.native.model_config import text_config
 
@@ -37,6 +37,8 @@ class StepForward(Protocol):
         mask: torch.Tensor,
         cache: SlotKVCache,
         inputs_embeds: torch.Tensor | None = None,
+        rope_position_ids: torch.Tensor | None = None,
+        deepstack: Deepstack | None = None,
     ) -> torch.Tensor: ...
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
@@ -58,7 +60,10 @@ class TransformersForward:
         mask: torch.Tensor,
         cache: SlotKVCache,
         inputs_embeds: torch.Tensor | None = None,
+        rope_position_ids: torch.Tensor | None = None,
+        deepstack: Deepstack | None = None,
     ) -> torch.Tensor:
+        assert rope_position_ids is None and deepstack is None, "vision-language models run on the native decoder"
         ids = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         output = self.decoder(
             **ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache, use_cache=True
@@ -86,14 +91,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(
-        self, token_ids: list[int], positions: list[int], prefixes: Seq[SharedPrefix] | None = None
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        prefixes: Seq[SharedPrefix] | None = None,
+        rope_deltas: list[int] | None = None,
     ) -> torch.Tensor:
         """Rows ``0..len(token_ids)-1``: one token each at ``positions``; returns [rows, vocab] fp32.
-        ``prefixes``: each row's shared prefix (``(prefix slot, length)``; length 0: none)."""
+        ``prefixes``: each row's shared prefix (``(prefix slot, length)``; length 0: none);
+        ``rope_deltas``: each row's RoPE shift past a multimodal prompt (None: none shifted)."""
         device = self.device
         kv_len = max(positions) + 1
         compiled = self.compiled
-        if compiled is not None and compiled.runs(len(token_ids), kv_len) and not any(n for _, n in prefixes or ()):
+        plain = not any(n for _, n in prefixes or ()) and rope_deltas is None
+        if compiled is not None and compiled.runs(len(token_ids), kv_len) and plain:
             return self._softcapped(compiled(token_ids[0], positions[0]))
         position_t = torch.tensor(positions, dtype=torch.long, device=device)
         read_start, groups, own_start = self._shared_groups(prefixes)
@@ -103,9 +114,11 @@ class ModelRunner:
         if own_start is not None:
             mask &= key_positions[None, :] >= own_start[:, None]
         mask = mask[:, None, None, :]
-        hidden = self._forward(
-            torch.tensor(token_ids, dtype=torch.long, device=device)[:, None], position_t[:, None], mask
-        )
+        rope = None
+        if rope_deltas is not None:
+            rope = (position_t + torch.tensor(rope_deltas, dtype=torch.long, device=device))[:, None]
+        ids = torch.tensor(token_ids, dtype=torch.long, device=device)[:, None]
+        hidden = self.forward.hidden_states(ids, position_t[:, None], mask, self.cache, rope_position_ids=rope)
         return self._logits(hidden[:, 0])
 
     @torch.inference_mode()
@@ -136,26 +149,59 @@ class ModelRunner:
             mask &= key_positions[None, None, :] >= own_start[:, None, None]
         mask = mask[:, None]
         input_ids = torch.tensor(token_rows, dtype=torch.long, device=device)
-        embeds = self._with_images(input_ids, chunks)
-        hidden = self.forward.hidden_states(input_ids, positions, mask, self.cache, embeds)
+        embeds, deepstack = self._with_images(input_ids, chunks)
+        rope = self._multimodal_positions(positions, chunks)
+        hidden = self.forward.hidden_states(input_ids, positions, mask, self.cache, embeds, rope, deepstack)
         last = hidden[torch.arange(len(chunks), device=device), length_t - 1]
         return self._logits(last)
 
-    def _with_images(self, input_ids: torch.Tensor, chunks: Seq[PrefillChunk]) -> torch.Tensor | None:
+    def _with_images(
+        self, input_ids: torch.Tensor, chunks: Seq[PrefillChunk]
+    ) -> tuple[torch.Tensor | None, Deepstack | None]:
         """The step's input embeddings with every image placeholder's row replaced by its image
-        embedding (the model's own merge, done per chunk); None when no chunk holds image tokens."""
+        embedding (the model's own merge, done per chunk), and the deepstack features of those
+        rows; None where no chunk holds image tokens."""
         embeds = None
+        rows: list[torch.Tensor] = []
+        cols: list[torch.Tensor] = []
+        layers: list[list[torch.Tensor]] = []
         for row, chunk in enumerate(chunks):
             images = chunk.seq.request.images
             found = images.rows_in(chunk.start, chunk.length) if images is not None else None
             if found is None:
                 continue
-            assert images is not None and images.embeds is not None, "the engine encodes images on admission"
+            assert images is not None and images.features is not None, "the engine encodes images on admission"
             if embeds is None:
                 embeds = self.forward.embed(input_ids)
             offsets, indices = found
-            embeds[row, offsets.to(self.device)] = images.embeds[indices.to(images.embeds.device)].to(embeds.dtype)
-        return embeds
+            offsets, features = offsets.to(self.device), images.features
+            embeds[row, offsets] = features.embeds[indices.to(features.embeds.device)].to(embeds.dtype)
+            if features.deepstack:
+                rows.append(torch.full_like(offsets, row))
+                cols.append(offsets)
+                layers.append([layer[indices.to(layer.device)].to(embeds.dtype) for layer in features.deepstack])
+        if not layers:
+            return embeds, None
+        per_layer = [torch.cat(parts) for parts in zip(*layers, strict=True)]
+        return embeds, Deepstack(torch.cat(rows), torch.cat(cols), per_layer)
+
+    def _multimodal_positions(self, positions: torch.Tensor, chunks: Seq[PrefillChunk]) -> torch.Tensor | None:
+        """RoPE's temporal, height and width positions of the step, ``[3, rows, query_len]``,
+        where a chunk's prompt has images and the model rotates by them; None where none does."""
+        rope = None
+        for row, chunk in enumerate(chunks):
+            images = chunk.seq.request.images
+            if images is None or images.rope_positions is None:
+                continue
+            if rope is None:
+                rope = positions[None].expand(3, -1, -1).clone()
+            prompt_len = images.rope_positions.shape[1]
+            index = torch.arange(chunk.start, chunk.start + chunk.length)
+            in_prompt = index < prompt_len
+            values = (index + images.rope_delta)[None].expand(3, -1).clone()  # outputs resumed after the prompt
+            values[:, in_prompt] = images.rope_positions[:, index[in_prompt]]
+            rope[:, row, : chunk.length] = values.to(rope.device)
+        return rope
 
     def _shared_groups(
         self, prefixes: Seq[SharedPrefix] | None
@@ -174,9 +220,6 @@ class ModelRunner:
         )
         lengths = [length for _, length in prefixes]
         return min(lengths), groups, torch.tensor(lengths, dtype=torch.long, device=self.device)
-
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.forward.hidden_states(input_ids, position_ids, mask, self.cache)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._softcapped(self.forward.logits(hidden).float())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -24,16 +25,28 @@ def placeholder_key(sha256: str, index: int) -> int:
     return -(((int(sha256[:16], 16) << _INDEX_BITS) | index) + 1)
 
 
+class ImageFeatures(NamedTuple):
+    """A prompt's image embeddings, ``[num placeholders, hidden]``, and, for models that add vision
+    features inside the decoder too (Qwen3-VL's deepstack), those per layer, each the same shape."""
+
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+
 @dataclass
 class PromptImages:
     """``positions``: the prompt indices of image placeholder tokens, ascending; ``keys``: their
-    hashing names; ``encode`` (run on the engine thread, once) returns their embeddings,
-    ``[len(positions), hidden]`` in the same order."""
+    hashing names; ``encode`` (run on the engine thread, once) returns their features in the same
+    order. ``rope_positions``: for multimodal RoPE, the prompt's temporal, height and width
+    positions (``[3, prompt_len]``), and ``rope_delta`` what each later token's position is
+    shifted by (its RoPE position is its index plus the delta)."""
 
     positions: list[int]
     keys: list[int]
-    encode: Callable[[], torch.Tensor]
-    embeds: torch.Tensor | None = None
+    encode: Callable[[], ImageFeatures]
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
+    features: ImageFeatures | None = None
     _key_of: dict[int, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -41,13 +54,14 @@ class PromptImages:
             raise ValueError("one key per image position")
         self._key_of = dict(zip(self.positions, self.keys, strict=True))
 
-    def ensure_encoded(self) -> torch.Tensor:
-        if self.embeds is None:
-            embeds = self.encode()
-            if embeds.shape[0] != len(self.positions):
-                raise ValueError(f"{embeds.shape[0]} image embeddings for {len(self.positions)} image tokens")
-            self.embeds = embeds
-        return self.embeds
+    def ensure_encoded(self) -> ImageFeatures:
+        if self.features is None:
+            features = self.encode()
+            if features.embeds.shape[0] != len(self.positions):
+                count = features.embeds.shape[0]
+                raise ValueError(f"{count} image embeddings for {len(self.positions)} image tokens")
+            self.features = features
+        return self.features
 
     def keyed(self, token_ids: list[int]) -> list[int]:
         """``token_ids`` (a prompt, then outputs) with every image position named by its key."""

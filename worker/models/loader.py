@@ -349,6 +349,8 @@ def load_model(
         vision = _load_vision(source, tokenizer, torch_dtype, torch_device)
     except OSError as exc:
         raise ModelLoadError(f"cannot load model {model!r}: {exc}") from exc
+    if vision is not None and not isinstance(forward, NativeCausalLM):
+        raise ModelLoadError(f"{source}: a vision-language model's language model runs on the native forward only")
     config = text_config(forward.config)
     model_max = int(getattr(config, "max_position_embeddings", 0) or 2048)
     if max_model_len is not None and max_model_len > model_max:
@@ -374,8 +376,11 @@ def _load_vision(
         return None
     from worker.vision.model import VisionModel
 
-    family, processor = load_family(Path(source), dtype, device)
-    if not tokenizer.chat_template and getattr(processor, "chat_template", None):
-        tokenizer.chat_template = processor.chat_template
+    try:
+        family = load_family(Path(source), tokenizer, dtype, device)
+    except ValueError as exc:
+        raise ModelLoadError(f"cannot load the vision side of {source}: {exc}") from exc
+    if not tokenizer.chat_template and family.chat_template:
+        tokenizer.chat_template = family.chat_template
     logger.info("vision tower: %s (%s)", type(family).__name__, model_type(Path(source)))
-    return VisionModel(family, processor)
+    return VisionModel(family)

@@ -90,6 +90,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+class Deepstack(NamedTuple):
+    """Vision features added to the hidden states of image positions after each of the first
+    ``len(features)`` layers (Qwen3-VL's deepstack): ``features[i]`` ``[n, hidden]`` at
+    ``(rows, cols)`` of the step."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    features: list[torch.Tensor]
+
+
+def _mrope_streams(section: tuple[int, ...], interleaved: bool, half_dim: int) -> torch.Tensor:
+    """For each rotary half-dimension, the position stream (0 temporal, 1 height, 2 width) it
+    rotates by: consecutive blocks of ``section`` (Qwen2-VL), or every third dimension from the
+    first (height) and second (width) within three times their section, the rest temporal (Qwen3-VL)."""
+    if sum(section) != half_dim:
+        raise ValueError(f"mrope_section {section} does not cover {half_dim} rotary dimensions")
+    if not interleaved:
+        return torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(section)])
+    streams = torch.zeros(half_dim, dtype=torch.long)
+    for stream in (1, 2):
+        streams[stream : section[stream] * 3 : 3] = stream
+    return streams
+
+
 class ExactParts(NamedTuple):
     """A layer's matmuls on the exact kernels (``exact.py``, ``--deterministic on``), with the
     operations around them fused into their activations' quantization."""
@@ -272,6 +296,9 @@ class NativeCausalLM(nn.Module):
         # cos and [-sin, sin] of every position, [positions, head_dim] (see ``set_rope``).
         self.rope_cos: torch.Tensor = torch.empty(0)
         self.rope_signed_sin: torch.Tensor = torch.empty(0)
+        # Multimodal RoPE: which of the temporal, height and width positions each rotary
+        # dimension takes (``[head_dim]``); None for plain RoPE.
+        self.rope_stream: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -294,6 +321,10 @@ class NativeCausalLM(nn.Module):
         sin = freqs.sin()
         self.rope_cos = torch.cat((freqs, freqs), dim=-1).cos().to(self.dtype)
         self.rope_signed_sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
+        section = self.config.mrope_section
+        if section is not None:
+            half = _mrope_streams(section, self.config.mrope_interleaved, dim // 2)
+            self.rope_stream = torch.cat((half, half)).to(device)
 
     @property
     def deterministic(self) -> bool:
@@ -309,9 +340,19 @@ class NativeCausalLM(nn.Module):
 
     def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and ``[-sin, sin]`` (see ``_rotate``), shaped ``[rows, query_len, 1 (heads), head_dim]``.
-        Padding tokens of a prefill step may sit past the table; their results are never read."""
+        Padding tokens of a prefill step may sit past the table; their results are never read.
+
+        ``position_ids`` ``[3, rows, query_len]``: multimodal RoPE's temporal, height and width
+        positions; each dimension's values are looked up at its own stream's position, as
+        transformers' Qwen-VL models recompose them (equal streams give plain RoPE's values)."""
         position_ids = position_ids.clamp(max=self.rope_cos.shape[0] - 1)
-        return self.rope_cos[position_ids][:, :, None], self.rope_signed_sin[position_ids][:, :, None]
+        if position_ids.dim() == 2:
+            return self.rope_cos[position_ids][:, :, None], self.rope_signed_sin[position_ids][:, :, None]
+        assert self.rope_stream is not None, "three position streams need multimodal RoPE"
+        dims = torch.arange(self.rope_cos.shape[1], device=position_ids.device)
+        per_dim = position_ids[self.rope_stream]  # [head_dim, rows, q]: each dimension's position
+        per_dim = per_dim.permute(1, 2, 0)
+        return self.rope_cos[per_dim, dims][:, :, None], self.rope_signed_sin[per_dim, dims][:, :, None]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embeddings: torch.Tensor = self.model.embed_tokens(input_ids)
@@ -324,14 +365,21 @@ class NativeCausalLM(nn.Module):
         mask: torch.Tensor,
         cache: StepCache,
         inputs_embeds: torch.Tensor | None = None,
+        rope_position_ids: torch.Tensor | None = None,
+        deepstack: Deepstack | None = None,
     ) -> torch.Tensor:
-        """``[rows, query_len]`` ids at ``position_ids`` (same shape); ``mask`` is boolean,
-        broadcastable to ``[rows, heads, query_len, kv_len]``, True where a query may attend.
-        ``inputs_embeds``: the ids' embeddings, given where some rows are not tokens' (images)."""
+        """``[rows, query_len]`` ids at ``position_ids`` (same shape: their places in the cache);
+        ``mask`` is boolean, broadcastable to ``[rows, heads, query_len, kv_len]``, True where a
+        query may attend. ``inputs_embeds``: the ids' embeddings, given where some rows are not
+        tokens' (images); ``rope_position_ids``: the positions RoPE rotates by, where they are
+        not the cache's (multimodal RoPE, ``[3, rows, query_len]``); ``deepstack``: vision
+        features added after the first layers (Qwen3-VL)."""
         hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        rope = self._rope(position_ids)
-        for layer in self.model.layers:
+        rope = self._rope(position_ids if rope_position_ids is None else rope_position_ids)
+        for index, layer in enumerate(self.model.layers):
             hidden = layer(hidden, rope, mask, cache, position_ids)
+            if deepstack is not None and index < len(deepstack.features):
+                hidden = hidden.index_put((deepstack.rows, deepstack.cols), deepstack.features[index], accumulate=True)
         return hidden if self.exact_head is not None else self.model.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ def load_native(spec: DecoderSpec, dtype: torch.dtype, device: torch.device) -> 
 
 def _decoder_name(name: str, spec: DecoderSpec) -> str | None:
     """The decoder's name for a checkpoint weight; None for a weight of another part."""
-    if spec.body_prefix != "model." and name.startswith(spec.body_prefix):
+    if name.startswith(spec.body_prefix):
         return "model." + name[len(spec.body_prefix) :]
     if name.startswith(spec.foreign_prefixes):
         return None

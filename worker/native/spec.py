@@ -11,10 +11,14 @@ from safetensors import safe_open
 
 # model_type → whether its attention normalises q and k per head (Qwen3) before RoPE.
 _ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
-# Vision-language checkpoints whose language model is one of those: model_type → the prefix of
-# its language model's weights (``model.`` in a plain checkpoint). The vision tower's weights
-# (everything else under ``model.``) are the vision model's (``worker/vision``).
-_VISION_LANGUAGE_BODIES = {"idefics3": "model.text_model.", "smolvlm": "model.text_model."}
+# Vision-language checkpoints whose language model is one of those: model_type → its language
+# model's type. The language model's weights sit under ``model.text_model.`` (Idefics3, SmolVLM),
+# ``model.language_model.`` (Qwen3-VL, and checkpoints written by transformers 5) or ``model.``
+# (Qwen2-VL, Qwen2.5-VL as published); the vision tower's are the vision model's (``worker/vision``).
+_VISION_LANGUAGE_MODELS = {
+    "idefics3": "llama", "smolvlm": "llama", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3",
+}  # fmt: skip
+_BODY_PREFIXES = ("model.text_model.", "model.language_model.")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class DecoderSpec:
     weight_files: tuple[Path, ...]
     body_prefix: str = "model."  # where the checkpoint keeps the decoder body's weights
     foreign_prefixes: tuple[str, ...] = ()  # weights of other parts (a vision tower), not the decoder's
+    # Multimodal RoPE (Qwen-VL): the rotary half-dimensions' sections taken from the temporal,
+    # height and width positions, in blocks (Qwen2-VL) or interleaved (Qwen3-VL).
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
 
 class UnsupportedCheckpoint(Exception):
@@ -53,7 +61,7 @@ def _rope_theta(config: dict[str, object]) -> float:
     if not isinstance(parameters, dict):
         raise UnsupportedCheckpoint(f"unreadable rope parameters {parameters!r}")
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "mrope"):  # Qwen2-VL's published configs name multimodal RoPE "mrope"
         raise UnsupportedCheckpoint(f"rope type {rope_type!r}")
     return float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))  # type: ignore[arg-type]
 
@@ -83,11 +91,15 @@ def read_decoder_spec(folder: Path) -> DecoderSpec:
     if not config_path.is_file():
         raise UnsupportedCheckpoint("no local config.json")
     config = json.loads(config_path.read_text())
+    files = _weight_files(folder)
+    names = _weight_names(files)
     body_prefix, foreign_prefixes = "model.", tuple[str, ...]()
-    if config.get("model_type") in _VISION_LANGUAGE_BODIES:
-        body_prefix = _VISION_LANGUAGE_BODIES[config["model_type"]]
-        foreign_prefixes = ("model.",)  # checked after the body's prefix
-        config = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **config.get("text_config", {})}
+    if config.get("model_type") in _VISION_LANGUAGE_MODELS:
+        body_prefix = next((p for p in _BODY_PREFIXES if any(n.startswith(p) for n in names)), "model.")
+        foreign_prefixes = ("visual.",) if body_prefix == "model." else ("model.", "visual.")
+        language_type = _VISION_LANGUAGE_MODELS[config["model_type"]]
+        top_tie = config.get("tie_word_embeddings", False)
+        config = {"tie_word_embeddings": top_tie, **config.get("text_config", {}), "model_type": language_type}
     model_type = config.get("model_type")
     if model_type not in _ARCHITECTURES:
         raise UnsupportedCheckpoint(f"model type {model_type!r}")
@@ -98,8 +110,7 @@ def read_decoder_spec(folder: Path) -> DecoderSpec:
     if config.get("pretraining_tp", 1) != 1:
         raise UnsupportedCheckpoint("pretraining_tp > 1")
     num_heads = int(config["num_attention_heads"])
-    files = _weight_files(folder)
-    names = _weight_names(files)
+    mrope = _mrope(config)
     return DecoderSpec(
         model_type=model_type,
         vocab_size=int(config["vocab_size"]),
@@ -121,7 +132,17 @@ def read_decoder_spec(folder: Path) -> DecoderSpec:
         weight_files=files,
         body_prefix=body_prefix,
         foreign_prefixes=foreign_prefixes,
+        mrope_section=mrope[0] if mrope else None,
+        mrope_interleaved=mrope[1] if mrope else False,
     )
+
+
+def _mrope(config: dict[str, object]) -> tuple[tuple[int, ...], bool] | None:
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(parameters, dict) or "mrope_section" not in parameters:
+        return None
+    section = tuple(int(n) for n in parameters["mrope_section"])
+    return section, bool(parameters.get("mrope_interleaved", False))
 
 
 def read_eos_token_ids(folder: Path) -> set[int]:

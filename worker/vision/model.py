@@ -9,13 +9,12 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from shared.contract import ImageRef
 from shared.errors import ErrorKind, RelayError
-from worker.engine.prompt_images import PromptImages, placeholder_key
+from worker.engine.prompt_images import ImageFeatures, PromptImages, placeholder_key
 from worker.vision.families import PixelInputs, VisionFamily
 
 logger = logging.getLogger(__name__)
@@ -31,18 +30,17 @@ class VisionStats:
 
 
 class VisionModel:
-    def __init__(self, family: VisionFamily, processor: Any, max_cached_images: int = 64) -> None:
+    def __init__(self, family: VisionFamily, max_cached_images: int = 64) -> None:
         self.family = family
-        self.processor = processor
         self.stats = VisionStats()
         self._max_cached = max_cached_images
-        self._embeddings: OrderedDict[str, torch.Tensor] = OrderedDict()  # engine thread only
+        self._features: OrderedDict[str, ImageFeatures] = OrderedDict()  # engine thread only
 
     def prompt(
         self, text: str, images: list[ImageRef], image_bytes: dict[str, bytes]
     ) -> tuple[list[int], PromptImages]:
         """Token ids of the rendered chat ``text`` (one image marker per image, in order), and
-        its images for the engine. Runs where the job is prepared: the processor only."""
+        its images for the engine. Runs where the job is prepared: image processing only."""
         from PIL import Image, UnidentifiedImageError
 
         decoded = []
@@ -55,34 +53,40 @@ class VisionModel:
                     decoded.append(image.convert("RGB"))
             except (UnidentifiedImageError, OSError) as exc:
                 raise RelayError(ErrorKind.INVALID_REQUEST, f"An image could not be decoded: {exc}") from exc
-        batch = self.processor(text=[text], images=[decoded] if decoded else None, return_tensors="pt")
-        token_ids: list[int] = batch["input_ids"][0].tolist()
-        inputs = [self.family.pixel_inputs(image) for image in decoded]
-        counts = [self.family.num_tokens(one) for one in inputs]
-        positions = [i for i, token in enumerate(token_ids) if token == self.family.image_token_id]
-        if len(positions) != sum(counts):
+        family = self.family
+        inputs = [family.pixel_inputs(image) for image in decoded]
+        token_ids = family.prompt_ids(text, decoded, inputs)
+        counts = [family.num_tokens(one) for one in inputs]
+        positions = [i for i, token in enumerate(token_ids) if token == family.image_token_id]
+        if not token_ids or len(positions) != sum(counts):
             raise RelayError(ErrorKind.INVALID_REQUEST, "The prompt's image markers do not match its images.")
         keys = [placeholder_key(ref.sha256, index) for ref, count in zip(images, counts, strict=True)
                 for index in range(count)]  # fmt: skip
         shas = [ref.sha256 for ref in images]
-        return token_ids, PromptImages(positions, keys, lambda: self._encode(shas, inputs))
+        rope = family.rope_positions(token_ids, inputs) if positions else None
+        prompt_images = PromptImages(positions, keys, lambda: self._encode(shas, inputs))
+        if rope is not None:
+            prompt_images.rope_positions, prompt_images.rope_delta = rope
+        return token_ids, prompt_images
 
-    def _encode(self, shas: list[str], inputs: list[PixelInputs]) -> torch.Tensor:
-        """Engine thread: every image's embeddings, from the cache where it has them."""
+    def _encode(self, shas: list[str], inputs: list[PixelInputs]) -> ImageFeatures:
+        """Engine thread: every image's features, from the cache where it has them."""
         parts = []
         for sha, one in zip(shas, inputs, strict=True):
-            cached = self._embeddings.get(sha)
+            cached = self._features.get(sha)
             if cached is not None:
-                self._embeddings.move_to_end(sha)
+                self._features.move_to_end(sha)
                 self.stats.image_cache_hits += 1
                 parts.append(cached)
                 continue
             started = time.perf_counter()
-            embeddings = self.family.encode(one)
+            features = self.family.encode(one)
             self.stats.encode_seconds += time.perf_counter() - started
             self.stats.images_encoded += 1
-            self._embeddings[sha] = embeddings
-            while len(self._embeddings) > self._max_cached:
-                self._embeddings.popitem(last=False)
-            parts.append(embeddings)
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+            self._features[sha] = features
+            while len(self._features) > self._max_cached:
+                self._features.popitem(last=False)
+            parts.append(features)
+        embeds = torch.cat([part.embeds for part in parts])
+        deepstack = [torch.cat(layer) for layer in zip(*(part.deepstack for part in parts), strict=True)]
+        return ImageFeatures(embeds, deepstack)
