@@ -43,6 +43,9 @@ class WorkerInfo(BaseModel):
         description="The newest job contract version it reads (records without it are of version-1 workers).",
     )
     vision: bool = Field(default=False, description="It takes images in chat messages (a vision-language model).")
+    images_encoded: int = Field(default=0, description="Images its vision tower encoded since it started.")
+    image_cache_hits: int = Field(default=0, description="Images served from its image-embedding cache instead.")
+    vision_encode_seconds: float = Field(default=0.0, description="Time its vision tower spent encoding images.")
     deterministic: bool = Field(
         default=False,
         description="A request's text depends on the request alone here: exact kernels, and its load-time "

@@ -211,7 +211,14 @@ class WorkerProcess:
             max_len = 0  # windows, not tokens: the API cuts recordings into windows of at most 30 s
         else:
             max_len = loaded.max_input_tokens if isinstance(loaded, LoadedEmbedder) else loaded.max_model_len
-        self.registration.info.vision = isinstance(loaded, LoadedModel) and loaded.vision is not None
+        if isinstance(loaded, LoadedModel) and loaded.vision is not None:
+            stats = loaded.vision.stats
+            self.registration.info.vision = True
+            self.registration.vision_probe = lambda: (
+                stats.images_encoded,
+                stats.image_cache_hits,
+                stats.encode_seconds,
+            )
         self.registration.set_ready(engine.max_running, max_len, engine.load)
         await self.registration.beat()
         consume = asyncio.gather(*(consumer.main() for consumer in consumers))

@@ -56,6 +56,7 @@ class WorkerRegistration:
         self._load_probe: LoadProbe = lambda: (0, 0, 0.0, 0.0)
         self.jobs_probe: Callable[[], int] = lambda: 0  # jobs the queue consumers hold
         self.compile_probe: Callable[[], str] = lambda: "off"  # the compiled decode step's state
+        self.vision_probe: Callable[[], tuple[int, int, float]] = lambda: (0, 0, 0.0)  # encoded, cache hits, seconds
         self._task: asyncio.Task[None] | None = None
 
     def set_ready(self, max_num_seqs: int, max_model_len: int, load_probe: LoadProbe) -> None:
@@ -87,6 +88,7 @@ class WorkerRegistration:
         info.num_running, info.num_waiting, info.prefix_cache_hit_rate, info.kv_cache_usage = self._load_probe()
         info.num_jobs = self.jobs_probe()
         info.compiled_decode = self.compile_probe()
+        info.images_encoded, info.image_cache_hits, info.vision_encode_seconds = self.vision_probe()
         record = await self._model_record(now)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._keys.worker(info.worker_id), info.model_dump_json(), ex=WORKER_HEARTBEAT_TTL_S)
