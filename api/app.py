@@ -15,6 +15,7 @@ from api.batches.runner import BatchRunner
 from api.batches.store import BatchStore
 from api.draining import DrainingMiddleware, drain_gate
 from api.errors import install_error_handlers
+from api.images.loader import ImageLoader
 from api.jobs.background_results import BackgroundResults
 from api.jobs.detached import DetachedJobs
 from api.jobs.event_router import EventRouter
@@ -82,6 +83,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         files = app.state.files = FileStore(redis, keys, settings.file_retention_s)
         batches = app.state.batches = BatchStore(redis, keys, settings.result_retention_s)
         app.state.responses = ResponseStore(redis, keys, settings.result_retention_s)
+        app.state.images = ImageLoader(settings, app_metrics)
         jobs = app.state.detached_jobs = DetachedJobs(lifecycle, settings.reasoning_field)
         results = app.state.background_results = BackgroundResults(lifecycle, jobs, settings.result_retention_s)
         housekeeper = Housekeeper(

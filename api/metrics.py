@@ -74,6 +74,21 @@ class Metrics:
             "relaylm:audio_real_time_factor", "Request wall time per second of audio (below 1: faster than real time)",
             ["model"], buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5), registry=r,
         )  # fmt: skip
+        self.images = Counter(
+            "relaylm:images", "Images taken into requests, by where they came from (data, remote, file)", ["source"],
+            registry=r,
+        )  # fmt: skip
+        self.request_images = Histogram(
+            "relaylm:request_images", "Images in one request that has any", buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )  # fmt: skip
+        self.image_refusals = Counter(
+            "relaylm:image_refusals", "Image parts refused (the request got 400), by reason", ["reason"], registry=r
+        )
+        self.image_fetch_time = Histogram(
+            "relaylm:image_fetch_seconds", "Fetching one remote image (lookups, redirects and download)",
+            buckets=_LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
         self.live_workers = Gauge("relaylm:live_workers", "Workers heartbeating per model", ["model"], registry=r)
         worker_labels = ["model", "worker"]
         self.running = Gauge("relaylm:num_requests_running", "Sequences in the batch", worker_labels, registry=r)

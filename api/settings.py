@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from shared.settings import CommonSettings
 
@@ -83,6 +84,36 @@ class ApiSettings(CommonSettings):
         "costs about one extra 30 s encoder pass, so shorter windows spread a long file over more workers "
         "but do more work in all.",
     )
+    max_images_per_request: int = Field(
+        default=16, ge=1, description="Most images in one chat, Responses or Messages request; more gets 400."
+    )
+    max_image_bytes: int = Field(
+        default=20 * 2**20,
+        ge=1024,
+        description="Largest image (data: URL, download or file), in bytes; larger gets 400.",
+    )
+    max_image_pixels: int = Field(
+        default=40_000_000,
+        ge=1,
+        # Pillow's own decompression-bomb limit: past it, Pillow refuses before this check could run.
+        le=89_478_485,
+        description="Largest image as width x height once decoded (a small file can decode huge); larger gets 400.",
+    )
+    allow_remote_images: bool = Field(
+        default=False,
+        description="Fetch http(s) image URLs (off: only data: URLs and uploaded files). Private, loopback, "
+        "link-local and other non-public addresses are refused unless in --allowed-image-networks.",
+    )
+    allowed_image_networks: str | None = Field(
+        default=None,
+        description="Comma-separated CIDRs (e.g. 10.0.5.0/24,fd00::/64) that remote image fetches may reach "
+        "although they are not public addresses: an internal image host.",
+    )
+    image_fetch_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Longest one remote image may take: name lookups, connections, redirects and the download.",
+    )
     max_file_bytes: int = Field(
         default=200 * 2**20, ge=1024, description="Largest file upload (/v1/files); files live in Redis memory."
     )
@@ -110,6 +141,17 @@ class ApiSettings(CommonSettings):
     )
     log_level: str = Field(default="INFO", description="Python log level.")
 
+    @field_validator("allowed_image_networks")
+    @classmethod
+    def _networks_are_cidrs(cls, value: str | None) -> str | None:
+        """A typo in an allowlist must stop the server at start-up, not quietly allow nothing."""
+        _parse_networks(value)
+        return value
+
+    @property
+    def image_networks(self) -> list[IPv4Network | IPv6Network]:
+        return _parse_networks(self.allowed_image_networks)
+
     def load_admin_api_keys(self) -> list[str]:
         return [key.strip() for key in (self.admin_api_keys or "").split(",") if key.strip()]
 
@@ -126,3 +168,15 @@ class ApiSettings(CommonSettings):
     @property
     def cors_origins(self) -> list[str]:
         return [origin.strip() for origin in (self.cors_allow_origins or "").split(",") if origin.strip()]
+
+
+def _parse_networks(value: str | None) -> list[IPv4Network | IPv6Network]:
+    """Each CIDR exactly (``10.0.0.1/8`` has host bits set: ValueError, as it is likely a typo)."""
+    networks = []
+    for text in (value or "").split(","):
+        if text.strip():
+            try:
+                networks.append(ip_network(text.strip(), strict=True))
+            except ValueError as exc:
+                raise ValueError(f"not a network in CIDR notation: {text.strip()!r} ({exc})") from None
+    return networks

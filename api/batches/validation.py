@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from api.errors import validation_message
 from api.middleware import lone_surrogate_path
 from api.wire.openai.batch import BatchError, BatchInputLine
-from api.wire.openai.chat_request import ChatCompletionRequest
+from api.wire.openai.chat_request import ChatCompletionRequest, image_sources
 from api.wire.openai.completion_request import CompletionRequest
 from api.wire.openai.embeddings import EmbeddingRequest
 
@@ -72,6 +72,10 @@ def validate_batch_file(
         except ValidationError as exc:
             message, param = validation_message(exc.errors())
             report(number, "invalid_request", message, f"body.{param}" if param else "body")
+            continue
+        if isinstance(request, ChatCompletionRequest) and (images := image_sources(request)):
+            # A line runs long after the file was checked: its images would be fetched then, unchecked now.
+            report(number, "invalid_request", "Batch requests cannot hold images.", f"body.{images[0].param}")
             continue
         model = str(request.model)  # type: ignore[attr-defined]
         if not is_known_model(model):

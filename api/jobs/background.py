@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import Request
 
 from api.jobs.build import make_job
+from api.jobs.images import NO_IMAGES, JobImages
 from api.jobs.submitter import JobSubmitter, log_unknown_fields
 from api.tenancy import tenant_of
 from api.wire.openai.chat_request import ChatCompletionRequest
@@ -25,12 +26,14 @@ def job_summary(job: ChatJob, status: str) -> dict[str, Any]:
     }
 
 
-async def submit_background(submitter: JobSubmitter, body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+async def submit_background(
+    submitter: JobSubmitter, body: ChatCompletionRequest, request: Request, images: JobImages = NO_IMAGES
+) -> dict[str, Any]:
     await submitter.directory.require_live_worker(body.model)
     request_id = request.state.request_id
     tenant = tenant_of(request).owner
     log_unknown_fields(body, request_id)
-    job = make_job(body, request_id, request.state.request_id_is_ours, tenant)
+    job = make_job(body, request_id, request.state.request_id_is_ours, tenant, images=images)
     assert isinstance(job, ChatJob)
-    await submitter.submit_detached(job, track=True)
+    await submitter.submit_detached(job, track=True, images=images.data)
     return job_summary(job, "queued")

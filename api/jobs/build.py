@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 
+from api.jobs.images import NO_IMAGES, JobImages
 from api.wire.openai.chat_request import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -19,11 +21,15 @@ from api.wire.openai.chat_request import (
     MessageContent,
     NamedToolChoice,
     SystemMessage,
+    TextContentPart,
     ToolDefinition,
     ToolMessage,
+    UserContentPart,
+    UserMessageContent,
 )
 from api.wire.openai.completion_request import CompletionRequest
 from api.wire.openai.embeddings import EmbeddingRequest
+from api.wire.openai.images import ImageLocator
 from api.wire.openai.sampling_fields import SamplingFields
 from shared.contract import (
     AnyJob,
@@ -33,9 +39,13 @@ from shared.contract import (
     Embed,
     EmbeddingJob,
     Generate,
+    ImagePart,
+    ImageRef,
     Message,
     OutputFormat,
+    Part,
     Sampling,
+    TextPart,
     Tokenize,
     TokenizeJob,
     Tool,
@@ -59,14 +69,16 @@ def make_job(
     is_ours: bool,
     tenant: str | None = None,
     priority: int = INTERACTIVE,
+    images: JobImages = NO_IMAGES,
 ) -> AnyJob:
     """``tenant``: the owner id of the API key that asks (None without keys); ``priority``:
-    ``BATCH`` for batch lines. RelayError (400) for what the request cannot be."""
+    ``BATCH`` for batch lines; ``images``: the chat request's, loaded. RelayError (400) for what
+    the request cannot be."""
     created = int(time.time())
     if isinstance(request, ChatCompletionRequest):
         return ChatJob(
             job_id=job_id_for("chatcmpl", request_id, is_ours), request_id=request_id, created=created,
-            tenant=tenant, request=chat_generate(request, priority), delivery=_delivery(request),
+            tenant=tenant, request=chat_generate(request, priority, images.refs), delivery=_delivery(request),
         )  # fmt: skip
     if isinstance(request, CompletionRequest):
         return CompletionJob(
@@ -96,12 +108,17 @@ def _delivery(request: SamplingFields, echo: bool = False) -> Delivery:
 # -- chat ---------------------------------------------------------------------------------------
 
 
-def chat_generate(request: ChatCompletionRequest, priority: int = INTERACTIVE) -> Generate:
-    """The engine request of a chat request (also of Responses and Messages, which become one)."""
+def chat_generate(
+    request: ChatCompletionRequest,
+    priority: int = INTERACTIVE,
+    images: Mapping[ImageLocator, ImageRef] | None = None,
+) -> Generate:
+    """The engine request of a chat request (also of Responses and Messages, which become one);
+    ``images``: what each image part names, as ``api.images.request.load_images`` loaded them."""
     tool_choice, tool_name = _tool_choice(request)
     generate = Generate(
         model=request.model,
-        messages=[_message(message) for message in request.messages],
+        messages=[_message(message, images or {}) for message in request.messages],
         tools=[_tool(tool) for tool in request.tools or []],
         tool_choice=tool_choice,
         tool_name=tool_name,
@@ -125,7 +142,28 @@ def _text(content: MessageContent | None) -> str:
     return "\n".join(part.text for part in content)
 
 
-def _message(message: ChatMessage) -> Message:
+def _user_content(content: UserMessageContent, images: Mapping[ImageLocator, ImageRef]) -> str | list[Part]:
+    """Text alone stays one string (a text-only job is what it always was); with images, the
+    parts in the order the client sent them."""
+    if isinstance(content, str):
+        return content
+    texts = [part.text for part in content if isinstance(part, TextContentPart)]
+    if len(texts) == len(content):
+        return "\n".join(texts)  # as _text joins them
+    return [_part(part, images) for part in content]
+
+
+def _part(part: UserContentPart, images: Mapping[ImageLocator, ImageRef]) -> Part:
+    if isinstance(part, TextContentPart):
+        return TextPart(text=part.text)
+    image = images.get(part.locator)
+    if image is None:
+        # Every route that takes images loads them first; a batch line has none (refused when checked).
+        raise RelayError(ErrorKind.INVALID_REQUEST, "Image input is not taken on this endpoint.", "messages")
+    return ImagePart(image=image)
+
+
+def _message(message: ChatMessage, images: Mapping[ImageLocator, ImageRef]) -> Message:
     if isinstance(message, SystemMessage):
         return Message(role="system", content=_text(message.content))
     if isinstance(message, AssistantMessage):
@@ -138,7 +176,7 @@ def _message(message: ChatMessage) -> Message:
         )  # fmt: skip
     if isinstance(message, ToolMessage):
         return Message(role="tool", content=_text(message.content), tool_call_id=message.tool_call_id)
-    return Message(role="user", content=_text(message.content))
+    return Message(role="user", content=_user_content(message.content, images))
 
 
 def _tool(tool: ToolDefinition) -> Tool:

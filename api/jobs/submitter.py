@@ -7,11 +7,13 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 
 from redis.exceptions import RedisError
 
 from api.jobs.build import SubmittableRequest, make_job
 from api.jobs.event_router import EventRouter
+from api.jobs.images import NO_IMAGES, JobImages
 from api.jobs.stream import DisconnectProbe, JobStream, StreamServices
 from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
@@ -62,14 +64,15 @@ class JobSubmitter:
         is_disconnected: DisconnectProbe | None = None,
         request_id_is_ours: bool = True,
         tenant: str | None = None,
+        images: JobImages = NO_IMAGES,
     ) -> JobStream:
         """``tenant``: the asking key's owner id; it owns the job (a reconnect must be its own)
-        and counts towards the key's limit of open requests."""
+        and counts towards the key's limit of open requests. ``images``: the request's, loaded."""
         arrived_at = time.monotonic()
         request_id = request_id or uuid.uuid4().hex
         log_unknown_fields(request, request_id)
-        job = make_job(request, request_id, request_id_is_ours, tenant)
-        return await self.submit_job(job, is_disconnected, arrived_at)
+        job = make_job(request, request_id, request_id_is_ours, tenant, images=images)
+        return await self.submit_job(job, is_disconnected, arrived_at, images=images.data)
 
     async def submit_job(
         self,
@@ -77,10 +80,12 @@ class JobSubmitter:
         is_disconnected: DisconnectProbe | None = None,
         arrived_at: float | None = None,
         counts_for_key: bool = True,
+        images: Mapping[str, bytes] | None = None,
     ) -> JobStream:
         """Enqueue a job the caller built and stream its events (its model's workers checked first).
         ``counts_for_key``: the job counts towards its key's limit of open requests (one job of a
-        request made of several counts, the others not)."""
+        request made of several counts, the others not); ``images``: the bytes of the images the
+        job names, by SHA-256."""
         arrived_at = time.monotonic() if arrived_at is None else arrived_at
         request_id, job_id, model = job.request_id, job.job_id, job.model
         await self.directory.require_live_worker(model)
@@ -88,7 +93,7 @@ class JobSubmitter:
         channel = self.keys.job_events_channel(job_id)
         queue = await self.router.subscribe(channel)
         try:
-            await self._enqueue(job, counts_for_key=counts_for_key)
+            await self._enqueue(job, counts_for_key=counts_for_key, images=images)
         except BaseException:
             await self.router.unsubscribe(channel)
             raise
@@ -105,12 +110,14 @@ class JobSubmitter:
         limit: int | None = None,
         track: bool = False,
         counts_for_key: bool | None = None,
+        images: Mapping[str, bytes] | None = None,
     ) -> None:
         """Enqueue a job no client streams (a background job, a batch line): its result is
         collected from its event log. ``queue``: the model's interactive queue unless given;
         ``track``: add it to the background set that API processes collect results for (and
         count it towards its key's limit of open requests, as a streamed request counts)."""
-        await self._enqueue(job, queue, limit, counts_for_key=track if counts_for_key is None else counts_for_key)
+        counts_for_key = track if counts_for_key is None else counts_for_key
+        await self._enqueue(job, queue, limit, counts_for_key=counts_for_key, images=images)
         if track:
             try:
                 await self.lifecycle.track_background(job.job_id)
@@ -119,16 +126,24 @@ class JobSubmitter:
         log_transition(logger, "queued", job.job_id, job.request_id, model=job.model, detached=True)
 
     async def _enqueue(
-        self, job: AnyJob, queue: str | None = None, limit: int | None = None, counts_for_key: bool = True
+        self,
+        job: AnyJob,
+        queue: str | None = None,
+        limit: int | None = None,
+        counts_for_key: bool = True,
+        images: Mapping[str, bytes] | None = None,
     ) -> None:
         """Store the request and queue the job in one round trip, under the queue's limit and its
-        key's (batch lines have their own per-key limit, checked when the batch is created)."""
+        key's (batch lines have their own per-key limit, checked when the batch is created). The
+        images it names are stored first: a worker may claim the job the moment it exists."""
         model = job.model
         queue = queue or self.keys.queue(model)
         limit = self.settings.max_pending_per_model if limit is None else limit
         key_limit = self.settings.max_requests_per_key if counts_for_key else 0
         try:
-            payload = encode_job(job, await self.directory.readable_version(model))
+            payload = self._payload(job, await self.directory.readable_version(model))
+            if images:
+                await self.lifecycle.store_images(dict(images))
             await self.lifecycle.create(job.job_id, payload, model, queue, limit, job.tenant, key_limit)
         except RedisError as exc:
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
@@ -145,6 +160,20 @@ class JobSubmitter:
                 ErrorKind.QUEUE_FULL,
                 f"Model `{model}` has {limit} requests queued or running; retry shortly.",
                 retry_after_s=self.settings.retry_after_s,
+            ) from None
+
+    @staticmethod
+    def _payload(job: AnyJob, version: int) -> bytes:
+        """The job as ``version`` (what every live worker of its model reads) writes it; 503 for a
+        job that version cannot carry (images, while older workers are still live)."""
+        try:
+            return encode_job(job, version)
+        except ValueError as exc:
+            raise RelayError(
+                ErrorKind.NO_LIVE_WORKER,
+                f"Model `{job.model}` has live workers of an older release that cannot run this request "
+                f"({exc}); retry once they are upgraded.",
+                "model",
             ) from None
 
     async def attach(self, job_id: str, last_event_id: int | None, tenant: Tenant = SINGLE_USER) -> JobStream:

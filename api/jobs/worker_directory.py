@@ -44,6 +44,18 @@ class WorkerDirectory:
         raw = await self._redis.hgetall(self._keys.models())
         return [ModelRecord.model_validate_json(value) for value in raw.values()]
 
+    async def model_record(self, model: str) -> ModelRecord | None:
+        raw = await self._redis.hget(self._keys.models(), model)
+        return ModelRecord.model_validate_json(raw) if raw is not None else None
+
+    async def takes_images(self, model: str) -> bool:
+        """Whether the model is a vision-language model (its workers say so in its record)."""
+        try:
+            record = await self.model_record(model)
+        except RedisError as exc:
+            raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
+        return record is not None and record.vision
+
     async def queue_depth(self, model: str) -> int:
         """Interactive jobs queued or running for the model (what its queue limit counts)."""
         queue = self._keys.queue(model)

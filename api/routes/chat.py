@@ -7,14 +7,16 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from api.images.request import load_images
 from api.jobs.background import submit_background
+from api.jobs.images import NO_IMAGES, JobImages
 from api.jobs.stream import ClientDisconnected, JobStream
 from api.jobs.submitter import JobSubmitter, SubmittableRequest
 from api.render.chat import collect_completion
 from api.render.chat_stream import sse_chunks, sse_response
 from api.settings import ApiSettings
 from api.tenancy import tenant_of
-from api.wire.openai.chat_request import ChatCompletionRequest
+from api.wire.openai.chat_request import ChatCompletionRequest, image_sources
 from api.wire.openai.chat_response import ChatCompletion
 from api.wire.openai.errors import ErrorResponse
 from shared.errors import ErrorKind, RelayError
@@ -43,15 +45,19 @@ def check_request_limits(body: ChatCompletionRequest, settings: ApiSettings) -> 
         raise RelayError(ErrorKind.INVALID_REQUEST, f"At most {settings.max_tools} tools are allowed.", "tools")
 
 
-async def start_stream(submitter: JobSubmitter, body: SubmittableRequest, request: Request) -> JobStream | None:
+async def start_stream(
+    submitter: JobSubmitter, body: SubmittableRequest, request: Request, images: JobImages = NO_IMAGES
+) -> JobStream | None:
     """Submit, then wait for the worker's first word before answering: a rejection (context too
     long, bad template input) can still be a proper HTTP error instead of a 200 stream. A stream
     whose job is still queued after one keep-alive period starts anyway, so that keep-alive
     comments flow while it waits (proxies cut silent connections); a rejection then arrives as
-    an error event. None: the client left while waiting."""
+    an error event. None: the client left while waiting. ``images``: the request's, loaded."""
     state = request.state
     tenant = tenant_of(request).owner
-    stream = await submitter.submit(body, state.request_id, request.is_disconnected, state.request_id_is_ours, tenant)
+    stream = await submitter.submit(
+        body, state.request_id, request.is_disconnected, state.request_id_is_ours, tenant, images
+    )
     wait_s = submitter.settings.sse_ping_interval_s if body.stream else None
     try:
         first = await stream.first_event(wait_s)
@@ -78,9 +84,10 @@ async def start_stream(submitter: JobSubmitter, body: SubmittableRequest, reques
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
     submitter: JobSubmitter = request.app.state.submitter
     check_request_limits(body, submitter.settings)
+    images = await load_images(request, body.model, image_sources(body))
     if body.background:
-        return JSONResponse(await submit_background(submitter, body, request))
-    stream = await start_stream(submitter, body, request)
+        return JSONResponse(await submit_background(submitter, body, request, images))
+    stream = await start_stream(submitter, body, request, images)
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     reasoning_field = submitter.settings.reasoning_field

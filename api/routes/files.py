@@ -1,4 +1,5 @@
-"""``/v1/files``: upload, list, read and delete files (batch input, batch output and errors)."""
+"""``/v1/files``: upload, list, read and delete files (batch input, batch output and errors, and
+images that requests name by file id)."""
 
 from __future__ import annotations
 
@@ -23,16 +24,18 @@ def _store(request: Request) -> FileStore:
 @router.post("/v1/files", response_model=FileObject, responses=ERROR_RESPONSES, summary="Upload a file")
 async def upload_file(
     request: Request,
-    file: Annotated[UploadFile, File(description="The JSONL file.")],
-    purpose: Annotated[str, Form(description="Only `batch` is accepted.")],
+    file: Annotated[UploadFile, File(description="A JSONL file (batch), or an image (vision).")],
+    purpose: Annotated[str, Form(description="`batch` or `vision`.")],
 ) -> FileObject:
-    if purpose != "batch":
-        raise RelayError(ErrorKind.INVALID_REQUEST, "Only purpose `batch` is supported.", "purpose")
+    if purpose not in ("batch", "vision"):
+        raise RelayError(ErrorKind.INVALID_REQUEST, "Only purposes `batch` and `vision` are supported.", "purpose")
     content = await file.read()
     if not content:
         raise RelayError(ErrorKind.INVALID_REQUEST, "The file is empty.", "file")
-    _require_utf8(content)
     owner = tenant_of(request).owner
+    if purpose == "vision":  # checked by decoding when a request names it, as every image is
+        return await _store(request).create(content, file.filename or "image", "vision", owner=owner)
+    _require_utf8(content)
     return await _store(request).create(content, file.filename or "upload.jsonl", "batch", owner=owner)
 
 

@@ -13,13 +13,20 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from api.errors import translation_error
+from api.images.request import load_images
 from api.jobs.build import chat_generate
 from api.jobs.submitter import JobSubmitter
 from api.render.anthropic import collect_message, message_events
 from api.render.chat_stream import sse_response
 from api.routes.chat import CLIENT_CLOSED_REQUEST, OpenApiResponses, check_request_limits, start_stream
 from api.routes.tokenize import run_tokenize
-from api.wire.anthropic import AnthropicErrorResponse, CountTokensRequest, MessagesRequest, to_chat_request
+from api.wire.anthropic import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    MessagesRequest,
+    image_sources,
+    to_chat_request,
+)
 from api.wire.openai.chat_request import ChatCompletionRequest
 from shared.contract import Tokenize
 
@@ -50,7 +57,9 @@ async def count_message_tokens(body: CountTokensRequest, request: Request) -> To
     submitter: JobSubmitter = request.app.state.submitter
     chat = chat_request_of(body)
     check_request_limits(chat, submitter.settings)
-    token_ids, _ = await run_tokenize(request, Tokenize(model=chat.model, chat=chat_generate(chat)))
+    images = await load_images(request, chat.model, image_sources(body))
+    tokenize = Tokenize(model=chat.model, chat=chat_generate(chat, images=images.refs))
+    token_ids, _ = await run_tokenize(request, tokenize, images)
     return TokenCount(input_tokens=len(token_ids))
 
 
@@ -63,7 +72,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Any:
     submitter: JobSubmitter = request.app.state.submitter
     chat = chat_request_of(body)
     check_request_limits(chat, submitter.settings)
-    stream = await start_stream(submitter, chat, request)
+    images = await load_images(request, chat.model, image_sources(body))
+    stream = await start_stream(submitter, chat, request, images)
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if body.stream:

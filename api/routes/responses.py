@@ -16,7 +16,9 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import TypeAdapter
 
 from api.errors import translation_error
+from api.images.request import load_images
 from api.jobs.build import make_job
+from api.jobs.images import JobImages
 from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_response
 from api.render.events import EventReplay
@@ -25,7 +27,7 @@ from api.response_store import ResponseStore, StoredResponse
 from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, check_request_limits, start_stream, with_errors
 from api.tenancy import Tenant, tenant_of
 from api.wire.openai.chat_request import ChatCompletionRequest
-from api.wire.responses import InputItem, ResponsesRequest, to_chat_request
+from api.wire.responses import InputItem, ResponsesRequest, image_sources, to_chat_request
 from shared.contract import decode_job
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle, JobState
@@ -72,11 +74,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     earlier: list[dict[str, Any]] = []
     if body.previous_response_id:
         earlier = (await _store(request).get(body.previous_response_id, tenant, "previous_response_id")).conversation
-    chat = _chat_request(body, _ITEMS.validate_python(earlier))
+    history = _ITEMS.validate_python(earlier)
+    chat = _chat_request(body, history)
     check_request_limits(chat, submitter.settings)
+    images = await load_images(request, chat.model, image_sources(body, history))
     if body.background:
-        return await _start_background(body, chat, earlier, request)
-    stream = await start_stream(submitter, chat, request)
+        return await _start_background(body, chat, earlier, request, images)
+    stream = await start_stream(submitter, chat, request, images)
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     builder = ResponseBuilder(body, stream.job_id, input_tokens=stream.prompt_tokens or 0)
@@ -95,7 +99,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
 
 
 async def _start_background(
-    body: ResponsesRequest, chat: ChatCompletionRequest, earlier: list[dict[str, Any]], request: Request
+    body: ResponsesRequest,
+    chat: ChatCompletionRequest,
+    earlier: list[dict[str, Any]],
+    request: Request,
+    images: JobImages,
 ) -> Any:
     """Queue a durable job and store the queued response at once; with ``stream`` the client
     also follows its events (and may leave and replay them later)."""
@@ -107,7 +115,7 @@ async def _start_background(
     # Resumable: a client that stops reading the stream leaves the job running.
     chat = chat.model_copy(update={"resumable": True, "stream": False, "stream_options": None})
     state = request.state
-    job = make_job(chat, state.request_id, state.request_id_is_ours, tenant.owner)
+    job = make_job(chat, state.request_id, state.request_id_is_ours, tenant.owner, images=images)
     builder = ResponseBuilder(body, job.job_id)
     queued = builder.response("queued")
     stored = StoredResponse(
@@ -116,7 +124,7 @@ async def _start_background(
     )  # fmt: skip
     await _store(request).save(stored)
     try:
-        await submitter.submit_detached(job, counts_for_key=True)
+        await submitter.submit_detached(job, counts_for_key=True, images=images.data)
     except BaseException:
         await _store(request).delete(builder.id, tenant)  # never a response that no job will finish
         raise

@@ -2,9 +2,10 @@
 request every worker already runs: the Messages API is a second wire format on the same jobs,
 queue, engine, tool parsing and constrained decoding, not a second path.
 
-Field names follow the ``anthropic`` SDK's types. Blocks that need what a local text model does
-not have (images, documents) are refused with a 400 naming them; thinking blocks sent back are
-passed to the chat template as the turn's reasoning.
+Field names follow the ``anthropic`` SDK's types. Image blocks in a user turn (base64, a URL or
+an uploaded file) become the chat request's image parts, for a model that takes images; blocks
+that need what a local model does not have (documents) are refused with a 400 naming them;
+thinking blocks sent back are passed to the chat template as the turn's reasoning.
 """
 
 from __future__ import annotations
@@ -18,16 +19,23 @@ from api.wire.openai.chat_request import (
     AssistantMessage,
     ChatCompletionRequest,
     ChatMessage,
+    FileContentPart,
+    FileReference,
     FunctionCall,
     FunctionDefinition,
+    ImageUrl,
+    ImageUrlContentPart,
     NamedFunction,
     NamedToolChoice,
     SystemMessage,
+    TextContentPart,
     ToolCall,
     ToolDefinition,
     ToolMessage,
+    UserContentPart,
     UserMessage,
 )
+from api.wire.openai.images import ImageLocator, ImageSource
 
 
 class _Wire(BaseModel):
@@ -71,8 +79,45 @@ class RedactedThinkingBlock(_Wire):
     data: str = ""
 
 
+class Base64ImageSource(_Wire):
+    type: Literal["base64"]
+    media_type: str = Field(description="As the client says; what the image is, decoding decides.")
+    data: str
+
+
+class UrlImageSource(_Wire):
+    type: Literal["url"]
+    url: str
+
+
+class FileImageSource(_Wire):
+    type: Literal["file"]
+    file_id: str = Field(min_length=1, description="An image uploaded to /v1/files.")
+
+
+class ImageBlock(_Wire):
+    type: Literal["image"]
+    source: Annotated[Base64ImageSource | UrlImageSource | FileImageSource, Field(discriminator="type")]
+
+    @property
+    def locator(self) -> ImageLocator:
+        source = self.source
+        if isinstance(source, FileImageSource):
+            return ImageLocator(file_id=source.file_id)
+        if isinstance(source, UrlImageSource):
+            return ImageLocator(url=source.url)
+        return ImageLocator(url=f"data:{source.media_type};base64,{source.data}")
+
+    def chat_part(self) -> UserContentPart:
+        locator = self.locator
+        if locator.file_id is not None:
+            return FileContentPart(type="file", file=FileReference(file_id=locator.file_id))
+        return ImageUrlContentPart(type="image_url", image_url=ImageUrl(url=locator.url or ""))
+
+
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock, Field(discriminator="type")
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
 ]
 
 
@@ -187,8 +232,8 @@ def _assistant_message(blocks: list[Any]) -> AssistantMessage:
         for b in blocks
         if isinstance(b, ToolUseBlock)
     ]
-    if any(isinstance(b, ToolResultBlock) for b in blocks):
-        raise ValueError("a tool_result block belongs in a user turn")
+    if any(isinstance(b, ToolResultBlock | ImageBlock) for b in blocks):
+        raise ValueError("tool_result and image blocks belong in a user turn")
     return AssistantMessage(
         role="assistant", content=text if text or not calls else None, tool_calls=calls or None,
         reasoning_content=thinking or None,
@@ -205,10 +250,28 @@ def _user_messages(blocks: list[Any]) -> list[ChatMessage]:
         for b in blocks
         if isinstance(b, ToolResultBlock)
     ]
+    if any(isinstance(b, ImageBlock) for b in blocks):
+        parts = [_chat_part(b) for b in blocks if isinstance(b, TextBlock | ImageBlock)]
+        return [*messages, UserMessage(role="user", content=parts)]
     text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
     if text or not messages:
         messages.append(UserMessage(role="user", content=text))
     return messages
+
+
+def _chat_part(block: TextBlock | ImageBlock) -> UserContentPart:
+    return block.chat_part() if isinstance(block, ImageBlock) else TextContentPart(type="text", text=block.text)
+
+
+def image_sources(request: CountTokensRequest) -> list[ImageSource]:
+    """The user turns' image blocks in order, named by their ``source`` (``messages[0].content[1].source``)."""
+    return [
+        ImageSource(f"messages[{i}].content[{j}].source", block.locator)
+        for i, message in enumerate(request.messages)
+        if message.role == "user" and not isinstance(message.content, str)
+        for j, block in enumerate(message.content)
+        if isinstance(block, ImageBlock)
+    ]
 
 
 def _tool_result_text(block: ToolResultBlock) -> str:

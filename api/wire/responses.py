@@ -1,33 +1,41 @@
 """The OpenAI Responses API request (``POST /v1/responses``), and its translation into the chat
 request every worker already runs: like the Messages API, a wire format on the same jobs.
 
-Input items: messages (text parts), ``function_call`` (an earlier call of the model),
-``function_call_output`` (its result) and ``reasoning`` (earlier reasoning text). Hosted tools,
-images and files are refused with a 400 naming them: relaylm runs local text models.
+Input items: messages (text parts, and in a user's message ``input_image`` parts: an image URL or
+an uploaded file's id), ``function_call`` (an earlier call of the model), ``function_call_output``
+(its result) and ``reasoning`` (earlier reasoning text). Hosted tools and other files are refused
+with a 400 naming them: relaylm runs local models.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from api.wire.openai.chat_request import (
     AssistantMessage,
     ChatCompletionRequest,
     ChatMessage,
+    FileContentPart,
+    FileReference,
     FunctionCall,
     FunctionDefinition,
+    ImageUrl,
+    ImageUrlContentPart,
     JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
     SystemMessage,
+    TextContentPart,
     ToolCall,
     ToolDefinition,
     ToolMessage,
+    UserContentPart,
     UserMessage,
 )
+from api.wire.openai.images import ImageLocator, ImageSource
 
 
 class _Wire(BaseModel):
@@ -39,14 +47,52 @@ class InputText(_Wire):
     text: str
 
 
+class InputImage(_Wire):
+    type: Literal["input_image"]
+    image_url: str | None = Field(
+        default=None, description="A data: URL, or an http(s) URL when the server fetches remote images."
+    )
+    file_id: str | None = Field(default=None, description="An image uploaded to /v1/files (purpose `vision`).")
+    detail: Literal["auto", "low", "high"] = Field(
+        default="auto", description="Accepted and not used: the model's own image processor sets the resolution."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> InputImage:
+        if (self.image_url is None) == (self.file_id is None):
+            raise ValueError("an input_image needs one of `image_url` and `file_id`")
+        return self
+
+    @property
+    def locator(self) -> ImageLocator:
+        return ImageLocator(url=self.image_url, file_id=self.file_id)
+
+    def chat_part(self) -> UserContentPart:
+        if self.file_id is not None:
+            return FileContentPart(type="file", file=FileReference(file_id=self.file_id))
+        return ImageUrlContentPart(type="image_url", image_url=ImageUrl(url=self.image_url or "", detail=self.detail))
+
+
+InputContent = Annotated[InputText | InputImage, Field(discriminator="type")]
+
+
 class MessageItem(_Wire):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | Annotated[list[InputText], Field(min_length=1)]
+    content: str | Annotated[list[InputContent], Field(min_length=1)]
 
     @property
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content if isinstance(part, InputText))
+
+    @property
+    def images(self) -> list[tuple[int, InputImage]]:
+        """The image parts, by position in ``content``."""
+        if isinstance(self.content, str):
+            return []
+        return [(i, part) for i, part in enumerate(self.content) if isinstance(part, InputImage)]
 
 
 class FunctionCallItem(_Wire):
@@ -228,8 +274,37 @@ def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
                 AssistantMessage(role="assistant", content=item.text, reasoning_content=pending_reasoning or None)
             )
             pending_reasoning = ""
+        elif item.images and item.role != "user":
+            raise ValueError(f"input_image parts are taken in user messages, not in a {item.role} message")
         elif item.role in ("system", "developer"):
             messages.append(SystemMessage(role=item.role, content=item.text))
         else:
-            messages.append(UserMessage(role="user", content=item.text))
+            messages.append(UserMessage(role="user", content=_user_content(item)))
     return messages
+
+
+def _user_content(item: MessageItem) -> str | list[UserContentPart]:
+    """Text alone is one string, as before images; with images, the parts in order."""
+    if isinstance(item.content, str) or not item.images:
+        return item.text
+    return [
+        part.chat_part() if isinstance(part, InputImage) else TextContentPart(type="text", text=part.text)
+        for part in item.content
+    ]
+
+
+def image_sources(request: ResponsesRequest, history: list[InputItem]) -> list[ImageSource]:
+    """The conversation's image parts in order, named as the Responses API names a field
+    (``input[0].content[1]``); an earlier turn's, loaded again, by ``previous_response_id``."""
+    earlier = [
+        ImageSource("previous_response_id", image.locator)
+        for item in history
+        if isinstance(item, MessageItem)
+        for _, image in item.images
+    ]
+    return earlier + [
+        ImageSource(f"input[{i}].content[{j}]", image.locator)
+        for i, item in enumerate(request.input_items())
+        if isinstance(item, MessageItem)
+        for j, image in item.images
+    ]

@@ -346,7 +346,9 @@ def load_model(
         forward, generation_eos = _load_forward(
             source, model_impl, torch_dtype, torch_device, quantization, deterministic
         )
-        vision = _load_vision(source, tokenizer, torch_dtype, torch_device)
+        vision = _load_vision(
+            source, tokenizer, torch_dtype, torch_device, bool(getattr(forward, "deterministic", False))
+        )
     except OSError as exc:
         raise ModelLoadError(f"cannot load model {model!r}: {exc}") from exc
     if vision is not None and not isinstance(forward, NativeCausalLM):
@@ -366,7 +368,7 @@ def load_model(
 
 
 def _load_vision(
-    source: str, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype, device: torch.device
+    source: str, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype, device: torch.device, deterministic: bool
 ) -> VisionModel | None:
     """A vision-language checkpoint's processor and vision tower; None for a text model. Its chat
     template may live with the processor only: the tokenizer gets it, prompts render the same."""
@@ -383,4 +385,4 @@ def _load_vision(
     if not tokenizer.chat_template and family.chat_template:
         tokenizer.chat_template = family.chat_template
     logger.info("vision tower: %s (%s)", type(family).__name__, model_type(Path(source)))
-    return VisionModel(family)
+    return VisionModel(family, single_thread=deterministic and device.type == "cpu")

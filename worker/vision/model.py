@@ -4,10 +4,12 @@ next turn of a conversation, another request) is not encoded again."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +31,29 @@ class VisionStats:
     encode_seconds: float = 0.0
 
 
+@contextlib.contextmanager
+def _torch_threads(num_threads: int | None) -> Iterator[None]:
+    """torch's thread count for the block (the engine thread's count is restored after it)."""
+    if num_threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 class VisionModel:
-    def __init__(self, family: VisionFamily, max_cached_images: int = 64) -> None:
+    """``single_thread``: encode on one thread, so an image's features (computed by the library's
+    kernels, not the exact ones) do not depend on how many threads the worker has at the moment:
+    with ``--deterministic on``, a request continued on another worker of the same CPU reads the
+    same features."""
+
+    def __init__(self, family: VisionFamily, single_thread: bool = False, max_cached_images: int = 64) -> None:
         self.family = family
+        self._threads = 1 if single_thread else None
         self.stats = VisionStats()
         self._max_cached = max_cached_images
         self._features: OrderedDict[str, ImageFeatures] = OrderedDict()  # engine thread only
@@ -80,7 +102,8 @@ class VisionModel:
                 parts.append(cached)
                 continue
             started = time.perf_counter()
-            features = self.family.encode(one)
+            with _torch_threads(self._threads):
+                features = self.family.encode(one)
             self.stats.encode_seconds += time.perf_counter() - started
             self.stats.images_encoded += 1
             self._features[sha] = features

@@ -11,7 +11,7 @@ BatchStatus = Literal[
 ]
 TERMINAL_STATUSES = frozenset({"failed", "completed", "expired", "cancelled"})
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-FilePurpose = Literal["batch", "batch_output"]
+FilePurpose = Literal["batch", "batch_output", "vision"]
 
 
 class FileObject(BaseModel):

@@ -3,6 +3,10 @@
 Fields marked "extension" are not in the OpenAI spec; they follow vLLM's names so clients that
 already send them (``top_k``, ``min_p``, ``repetition_penalty``, ``chat_template_kwargs``…) work.
 Unknown fields are accepted and ignored, as OpenAI-compatible clients often send extra ones.
+
+A user message may hold images, as ``image_url`` parts (a ``data:`` URL, or an ``http(s)`` one the
+server fetches when allowed) or ``file`` parts naming an image uploaded to ``/v1/files``; the API
+loads and checks them before the job is queued (``api/images``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from api.wire.openai.images import ImageLocator, ImageSource
 from api.wire.openai.sampling_fields import SamplingFields
 
 
@@ -23,9 +28,48 @@ class TextContentPart(_Wire):
     text: str
 
 
+class ImageUrl(_Wire):
+    url: str = Field(
+        description="A data: URL (base64), or an http(s) URL when the server fetches remote images "
+        "(--allow-remote-images)."
+    )
+    detail: Literal["auto", "low", "high"] = Field(
+        default="auto", description="Accepted and not used: the model's own image processor sets the resolution."
+    )
+
+
+class ImageUrlContentPart(_Wire):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+    @property
+    def locator(self) -> ImageLocator:
+        return ImageLocator(url=self.image_url.url)
+
+
+class FileReference(_Wire):
+    file_id: str = Field(min_length=1, description="An image uploaded to /v1/files (purpose `vision`).")
+    filename: str | None = None
+
+
+class FileContentPart(_Wire):
+    """OpenAI's ``file`` part; here it names an uploaded image (``file_data`` is not taken)."""
+
+    type: Literal["file"]
+    file: FileReference
+
+    @property
+    def locator(self) -> ImageLocator:
+        return ImageLocator(file_id=self.file.file_id)
+
+
+ImageContentPart = ImageUrlContentPart | FileContentPart
 ContentPart = Annotated[TextContentPart, Field(discriminator="type")]
+UserContentPart = Annotated[TextContentPart | ImageUrlContentPart | FileContentPart, Field(discriminator="type")]
 # OpenAI rejects an empty content array ("expected an array with minimum length 1").
 MessageContent = str | Annotated[list[ContentPart], Field(min_length=1)]
+# Only a user's turn holds images, as in OpenAI's API.
+UserMessageContent = str | Annotated[list[UserContentPart], Field(min_length=1)]
 
 
 class FunctionCall(_Wire):
@@ -47,7 +91,7 @@ class SystemMessage(_Wire):
 
 class UserMessage(_Wire):
     role: Literal["user"]
-    content: MessageContent
+    content: UserMessageContent
     name: str | None = None
 
 
@@ -153,3 +197,15 @@ class ChatCompletionRequest(SamplingFields):
     def logprob_count(self) -> int | None:
         """None: no logprobs; k: the chosen token's and the k most likely."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def image_sources(request: ChatCompletionRequest) -> list[ImageSource]:
+    """The request's image parts in order, each named as OpenAI names a field
+    (``messages[0].content[1].image_url``)."""
+    return [
+        ImageSource(f"messages[{i}].content[{j}].{part.type}", part.locator)
+        for i, message in enumerate(request.messages)
+        if isinstance(message, UserMessage) and not isinstance(message.content, str)
+        for j, part in enumerate(message.content)
+        if isinstance(part, ImageUrlContentPart | FileContentPart)
+    ]
