@@ -104,6 +104,16 @@ class Metrics:
             worker_labels,
             registry=r,
         )
+        # A vision worker's own counts since it started (read from its heartbeat, so gauges).
+        self.images_encoded = Gauge(
+            "relaylm:images_encoded", "Images a worker's vision tower encoded", worker_labels, registry=r
+        )
+        self.image_cache_hits = Gauge(
+            "relaylm:image_cache_hits", "Images served from a worker's image-embedding cache", worker_labels, registry=r
+        )
+        self.vision_encode_seconds = Gauge(
+            "relaylm:vision_encode_seconds", "Time a worker's vision tower spent encoding", worker_labels, registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,9 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory) -> None:
         metrics.prefix_hit_rate,
         metrics.queue_depth,
         metrics.live_workers,
+        metrics.images_encoded,
+        metrics.image_cache_hits,
+        metrics.vision_encode_seconds,
     ):
         gauge.clear()
     for record in await directory.model_records():
@@ -39,3 +42,7 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory) -> None:
             metrics.waiting.labels(*labels).set(worker.num_waiting)
             metrics.kv_usage.labels(*labels).set(worker.kv_cache_usage)
             metrics.prefix_hit_rate.labels(*labels).set(worker.prefix_cache_hit_rate)
+            if worker.vision:
+                metrics.images_encoded.labels(*labels).set(worker.images_encoded)
+                metrics.image_cache_hits.labels(*labels).set(worker.image_cache_hits)
+                metrics.vision_encode_seconds.labels(*labels).set(worker.vision_encode_seconds)
