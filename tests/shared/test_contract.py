@@ -25,11 +25,15 @@ from shared.contract import (
     AnyJob,
     ChatJob,
     Generate,
+    ImagePart,
+    ImageRef,
     NewerContract,
+    TextPart,
     Tokenize,
     UnreadableJob,
     decode_job,
     encode_job,
+    images_of,
 )
 from shared.errors import RelayError
 
@@ -237,3 +241,38 @@ def test_version_1_as_written_is_a_valid_request_of_that_release(name: str) -> N
 def test_version_1_cannot_say_a_priority_its_queue_says() -> None:
     line = make_job(ChatCompletionRequest.model_validate(_CHAT), "r", True, priority=BATCH)
     assert decode_job(encode_job(line, version=1)).request.priority == 0  # type: ignore[union-attr]
+
+
+_IMAGE = ImageRef(sha256="ab" * 32, media_type="image/png", width=64, height=48)
+
+
+def _image_chat_job() -> ChatJob:
+    text = _v2_job("chat", V1_JOBS["chat_minimal"]["wire"])
+    assert isinstance(text, ChatJob) and text.request.messages
+    content = [TextPart(text="Look:"), ImagePart(image=_IMAGE), TextPart(text="What is it?")]
+    messages = [text.request.messages[0].model_copy(update={"content": content})]
+    return text.model_copy(update={"request": text.request.model_copy(update={"messages": messages})})
+
+
+@pytest.mark.parametrize("name", sorted(V1_JOBS))
+def test_a_text_job_is_written_for_a_version_2_worker_and_read_back_as_itself(name: str) -> None:
+    job = _v2_job(V1_JOBS[name]["kind"], V1_JOBS[name]["wire"])
+    payload = json.loads(encode_job(job, 2))
+    assert payload["version"] == 2
+    assert decode_job(json.dumps(payload).encode()) == job
+
+
+def test_an_image_job_round_trips_and_older_versions_refuse_to_carry_it() -> None:
+    job = _image_chat_job()
+    assert images_of(job) == [_IMAGE]
+    assert decode_job(encode_job(job)) == job
+    for version in (1, 2):
+        with pytest.raises(ValueError, match="images"):
+            encode_job(job, version)
+
+
+def test_a_version_2_reader_could_not_misread_an_image_job() -> None:
+    """Images change the shape of a message: a version-2 reader refuses such a payload by its version."""
+    payload = json.loads(encode_job(_image_chat_job()))
+    assert payload["version"] == 3
+    assert isinstance(payload["request"]["messages"][0]["content"], list)
