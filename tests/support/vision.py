@@ -4,7 +4,6 @@ chat template, so prompts expand images into placeholder tokens exactly as in pr
 
 from __future__ import annotations
 
-import fcntl
 from pathlib import Path
 
 import torch
@@ -12,6 +11,7 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 from tests.support.models import default_model_dir, test_cache_dir
+from tests.support.qwen import build_once
 
 # SmolVLM's chat template (content is always a list of parts).
 SMOLVLM_CHAT_TEMPLATE = (
@@ -29,15 +29,7 @@ def tiny_random_idefics3_dir(seed: int = 0) -> Path:
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    target = test_cache_dir() / f"tiny-random-idefics3-{seed}"
-    marker = target / ".built"
-    if marker.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".tiny-idefics3-{seed}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists():
-            return target
+    def build(staging: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
         row_col = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
         tokenizer.add_special_tokens(
@@ -65,11 +57,10 @@ def tiny_random_idefics3_dir(seed: int = 0) -> Path:
             tie_word_embeddings=False,
         )  # fmt: skip
         torch.manual_seed(seed)
-        model = Idefics3ForConditionalGeneration(config)
-        model.save_pretrained(target)
-        processor.save_pretrained(target)
-        marker.touch()
-    return target
+        Idefics3ForConditionalGeneration(config).save_pretrained(staging)
+        processor.save_pretrained(staging)
+
+    return build_once(test_cache_dir() / f"tiny-random-idefics3-{seed}", build)
 
 
 def sample_image(width: int = 48, height: int = 40, seed: int = 0) -> Image.Image:
@@ -101,15 +92,7 @@ def tiny_random_qwen_vl_dir(kind: str, seed: int = 0) -> Path:
 
     from tests.support.qwen import qwen3_tokenizer_dir
 
-    target = test_cache_dir() / f"tiny-random-{kind}-{seed}"
-    marker = target / ".built"
-    if marker.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".tiny-{kind}-{seed}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.exists():
-            return target
+    def build(staging: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
         tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
         image_processor = Qwen2VLImageProcessorPil(
@@ -141,8 +124,8 @@ def tiny_random_qwen_vl_dir(kind: str, seed: int = 0) -> Path:
             vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
         )  # fmt: skip
         torch.manual_seed(seed)
-        model_class(config).save_pretrained(target)
-        tokenizer.save_pretrained(target)
-        image_processor.save_pretrained(target)
-        marker.touch()
-    return target
+        model_class(config).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        image_processor.save_pretrained(staging)
+
+    return build_once(test_cache_dir() / f"tiny-random-{kind}-{seed}", build)
