@@ -16,8 +16,9 @@ JOB_LOG_MAX_EVENTS = 200_000
 # A transcription window's samples outlive their job's longest reasonable wait and run by this;
 # the API deletes them as soon as it has the window's text.
 JOB_AUDIO_TTL_S = 3600
-# An image a job names outlives the job records that name it (stored again, the TTL restarts).
-IMAGE_TTL_S = JOB_RECORD_TTL_S
+# An image a job names outlives its job's longest reasonable wait and run by this, as audio does
+# (sent again, its TTL restarts); a job whose images expired before a worker took it fails.
+IMAGE_TTL_S = 3600
 # A job is started at most this many times (the first worker, then takeovers after a worker dies).
 JOB_MAX_ATTEMPTS = 3
 # A worker that misses heartbeats for this long is considered dead.
