@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from tests.worker.test_native_decoder import FAMILIES, SHAPE, _runner, _save, _Seq
+from tests.worker.engine_helpers import RunnerSeq
+from tests.worker.test_native_decoder import FAMILIES, SHAPE, _runner, _save
 from worker.engine.scheduler import PrefillChunk
 from worker.models.loader import ModelLoadError, load_model
 from worker.native.decoder import Linear, NativeCausalLM
@@ -67,7 +68,7 @@ def test_a_quantized_decoder_gives_nearly_the_same_logits(family: str, mode: Qua
 def _decode_logits(model: NativeCausalLM, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     runner = _runner(model, slots=1)
     with torch.inference_mode():
-        runner.prefill([PrefillChunk(_Seq(prompt, 0), 0, len(prompt))])  # type: ignore[arg-type]
+        runner.prefill([PrefillChunk(RunnerSeq(prompt, 0), 0, len(prompt))])  # type: ignore[arg-type]
         steps = [runner.decode([token], [len(prompt) + i]) for i, token in enumerate(continuation)]
     return torch.cat(steps)
 
