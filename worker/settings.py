@@ -40,7 +40,9 @@ class WorkerSettings(CommonSettings):
     served_model_name: str | None = Field(default=None, description="Model id clients send; defaults to --model.")
     device: str = Field(default="auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto", description="auto: bfloat16 where the hardware has it, else float16 (GPU) / float32 (CPU)."
+        default="auto",
+        description="auto: bfloat16 where the hardware has it, else float16 (GPU) / float32 (CPU); on the CPU with "
+        "--deterministic on, bfloat16 on every CPU (the activations' dtype is part of the text).",
     )
     model_impl: Literal["auto", "native", "transformers"] = Field(
         default="auto",

@@ -29,6 +29,18 @@
 #define RELAYLM_X86 1
 #endif
 
+// The portable code's hot functions are compiled twice, for x86-64-v3 (AVX2, FMA) and for the
+// baseline, and the copy the CPU runs is chosen when the library loads. Both are the same
+// operations in the same order (no contraction, -ffp-contract=off; no reassociation; std::fma is
+// fused in either), so they give the same bits: the v3 copy only uses wider instructions where the
+// compiler finds element-wise work or integer sums, and a fused multiply-add instruction instead
+// of libm's call. CPUs without AVX-512 VNNI (the vector path below) run the v3 copy.
+#if defined(RELAYLM_X86) && defined(__GNUC__) && !defined(__clang__)
+#define PORTABLE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define PORTABLE_CLONES
+#endif
+
 namespace relaylm_exact {
 
 constexpr int kGroup = 32;  // inputs per quantization group (weights and activations)
@@ -128,7 +140,7 @@ struct RowQuant {
 };
 
 // The row's activations (after the prologue) in fp32, into `act` [k_in].
-static void prologue_scalar(const void* x, bool is_bf16, int64_t k_in, Prologue kind, const void* norm_w,
+PORTABLE_CLONES static void prologue_scalar(const void* x, bool is_bf16, int64_t k_in, Prologue kind, const void* norm_w,
                             bool norm_bf16, float eps, float* act) {
   if (kind == kSiluMul) {
     for (int64_t k = 0; k < k_in; ++k) {
@@ -149,7 +161,7 @@ static void prologue_scalar(const void* x, bool is_bf16, int64_t k_in, Prologue 
 }
 
 // Blocks of 32: d = amax / 127, q = rint(a * (127 / amax)), sums exact. Inputs past k_in are 0.
-static void quantize_scalar(const float* act, int64_t k_in, int64_t groups, RowQuant out) {
+PORTABLE_CLONES static void quantize_scalar(const float* act, int64_t k_in, int64_t groups, RowQuant out) {
   for (int64_t g = 0; g < groups; ++g) {
     float amax = 0.0f;
     for (int j = 0; j < kGroup; ++j) {
@@ -333,26 +345,95 @@ struct Epilogue {
   const void* residual;  // [rows, n_out] in the output's dtype; null: none
 };
 
-static void matmul_block_scalar(const PackedWeight& w, int64_t block, const RowQuant* rows, int64_t num_rows,
-                                int64_t n_out, Epilogue epi, void* out, int64_t out_stride, bool out_bf16) {
+// One group's integer dot per output lane (integer sums: the same in any order).
+template <int kBits>
+static inline int weight_at(const uint8_t* data, int quad, int i) {
+  if (kBits == 8) return data[quad * kLanes * 4 + i];
+  uint8_t packed = data[(quad & 3) * kLanes * 4 + i];
+  return quad < 4 ? (packed & 0x0F) : (packed >> 4);
+}
+
+template <int kBits>
+static inline void group_dots_scalar(const uint8_t* data, const int8_t* xq, int32_t* dot) {
+  for (int lane = 0; lane < kLanes; ++lane) {
+    int32_t sum = 0;
+    for (int quad = 0; quad < 8; ++quad)
+      for (int byte = 0; byte < 4; ++byte)
+        sum += weight_at<kBits>(data, quad, lane * 4 + byte) * static_cast<int32_t>(xq[quad * 4 + byte]);
+    dot[lane] = sum;
+  }
+}
+
+#ifdef RELAYLM_X86
+// The same dots with AVX2 (CPUs without the AVX-512 path): a quad's 64 weights widened to 16 bits
+// and multiplied by the quad's 4 activations, adjacent products summed into 32 bits (no
+// saturation: |255 * 128| * 2 fits), two partial sums per lane, added at the end.
+template <int kBits>
+__attribute__((target("avx2"))) static void group_dots_avx2(const uint8_t* data, const int8_t* xq, int32_t* dot) {
+  __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int quad = 0; quad < 8; ++quad) {
+    int32_t xword;
+    std::memcpy(&xword, xq + quad * 4, 4);
+    __m256i x16 = _mm256_cvtepi8_epi16(_mm_set1_epi32(xword));
+    const uint8_t* base = data + (kBits == 8 ? quad : (quad & 3)) * kLanes * 4;
+    for (int c = 0; c < 4; ++c) {
+      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 16 * c));
+      if (kBits == 4) {
+        __m128i nibbles = quad < 4 ? bytes : _mm_srli_epi16(bytes, 4);
+        bytes = _mm_and_si128(nibbles, _mm_set1_epi8(0x0F));
+      }
+      acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_cvtepu8_epi16(bytes), x16));
+    }
+  }
+  int32_t partial[32];
+  for (int c = 0; c < 4; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(partial + 8 * c), acc[c]);
+  for (int lane = 0; lane < kLanes; ++lane) dot[lane] = partial[2 * lane] + partial[2 * lane + 1];
+}
+#endif
+
+template <int kBits>
+static inline void group_dots(const uint8_t* data, const int8_t* xq, int32_t* dot) {
+#ifdef RELAYLM_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2) {
+    group_dots_avx2<kBits>(data, xq, dot);
+    return;
+  }
+#endif
+  group_dots_scalar<kBits>(data, xq, dot);
+}
+
+// Every output lane's integer dots first (integer sums: exact in any order), laid out so the
+// inner loops run over a quad's 16 lanes x 4 inputs, which are contiguous; then each lane's groups
+// in order, exactly as one lane at a time would add them.
+PORTABLE_CLONES static void matmul_block_scalar(const PackedWeight& w, int64_t block, const RowQuant* rows,
+                                                int64_t num_rows, int64_t n_out, Epilogue epi, void* out,
+                                                int64_t out_stride, bool out_bf16) {
   const float* bias = epi.bias;
   for (int64_t r = 0; r < num_rows; ++r) {
+    float acc[kLanes];
+    for (int lane = 0; lane < kLanes; ++lane) acc[lane] = 0.0f;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      int32_t dot[kLanes];
+      const int8_t* xq = rows[r].q + g * kGroup;
+      if (w.bits == 8) {
+        group_dots<8>(w.data + (block * w.groups + g) * 8 * kLanes * 4, xq, dot);
+      } else {
+        group_dots<4>(w.data + (block * w.groups + g) * 4 * kLanes * 4, xq, dot);
+      }
+      const int64_t s0 = (block * w.groups + g) * kLanes;
+      for (int lane = 0; lane < kLanes; ++lane)
+        acc[lane] = acc[lane] + group_term(dot[lane], rows[r].sums[g], w.zero, rows[r].d[g],
+                                           scale_at(w.scales, s0 + lane, w.half),
+                                           w.mins ? scale_at(w.mins, s0 + lane, w.half) : 0.0f, w.mins != nullptr);
+    }
     for (int lane = 0; lane < kLanes; ++lane) {
       int64_t n = block * kLanes + lane;
       if (n >= n_out) break;
-      float acc = 0.0f;
-      for (int64_t g = 0; g < w.groups; ++g) {
-        int32_t dot = 0;
-        for (int quad = 0; quad < 8; ++quad)
-          for (int byte = 0; byte < 4; ++byte)
-            dot += weight_value(w, block, g, quad, lane, byte) * static_cast<int32_t>(rows[r].q[g * kGroup + quad * 4 + byte]);
-        int64_t s = (block * w.groups + g) * kLanes + lane;
-        acc = acc + group_term(dot, rows[r].sums[g], w.zero, rows[r].d[g], scale_at(w.scales, s, w.half),
-                               w.mins ? scale_at(w.mins, s, w.half) : 0.0f, w.mins != nullptr);
-      }
-      if (bias) acc = acc + bias[n];
-      if (epi.residual) acc = load_as_float(epi.residual, r * out_stride + n, out_bf16) + acc;
-      store_from_float(out, r * out_stride + n, acc, out_bf16);
+      float value = acc[lane];
+      if (bias) value = value + bias[n];
+      if (epi.residual) value = load_as_float(epi.residual, r * out_stride + n, out_bf16) + value;
+      store_from_float(out, r * out_stride + n, value, out_bf16);
     }
   }
 }
@@ -552,7 +633,7 @@ static inline int64_t query_position(const AttnArgs& a, int64_t row, int64_t t) 
   return p < a.keys - 1 ? (p < 0 ? 0 : p) : a.keys - 1;
 }
 
-static void attend_scalar(const AttnArgs& a, int64_t row, int64_t head, int64_t t) {
+PORTABLE_CLONES static void attend_scalar(const AttnArgs& a, int64_t row, int64_t head, int64_t t) {
   int64_t kvh = head / (a.heads / a.kv_heads);
   int64_t last = query_position(a, row, t);
   int64_t qo = row * a.q_row + head * a.q_head + t * a.q_pos;
