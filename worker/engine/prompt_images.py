@@ -48,11 +48,13 @@ class PromptImages:
     rope_delta: int = 0
     features: ImageFeatures | None = None
     _key_of: dict[int, int] = field(default_factory=dict, repr=False)
+    _position_t: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long), repr=False)
 
     def __post_init__(self) -> None:
         if len(self.positions) != len(self.keys):
             raise ValueError("one key per image position")
         self._key_of = dict(zip(self.positions, self.keys, strict=True))
+        self._position_t = torch.tensor(self.positions, dtype=torch.long)  # read by every prefill chunk
 
     def ensure_encoded(self) -> ImageFeatures:
         if self.features is None:
@@ -74,7 +76,7 @@ class PromptImages:
     def rows_in(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Image positions within ``[start, start + length)``: their offsets from ``start`` and
         the indices of their embeddings; None when there are none."""
-        positions = torch.tensor(self.positions, dtype=torch.long)
+        positions = self._position_t
         inside = (positions >= start) & (positions < start + length)
         if not bool(inside.any()):
             return None
