@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint format bench bench-hop bench-audio bench-load bench-scaling bench-batch bench-quant bench-kv bench-perplexity llama-server clean venv
+.PHONY: serve test lint format bench bench-hop bench-audio bench-load bench-scaling bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -68,6 +68,10 @@ bench-batch: $(BENCH_INSTALLED)
 ## Scaling and failover (~3 min): one worker vs two, a new worker taking load, SIGKILL failover.
 bench-scaling: $(BENCH_INSTALLED)
 	$(PY) -m bench.scaling_bench $(ARGS)
+
+## What a Redis failover costs under Sentinel (~2 min): the replica wait's TTFT and the client-visible gap when the primary is killed or frozen; bench/results/failover.json.
+bench-failover: $(BENCH_INSTALLED)
+	$(PY) -m bench.failover_bench $(ARGS)
 
 ## The KV cache held by tokens against full-length slots, and a shared system prompt held once against copied (~4 min); bench/results/kv_layout.json.
 bench-kv: $(BENCH_INSTALLED)

@@ -44,7 +44,7 @@ from api.routes import (
 )
 from api.settings import ApiSettings
 from api.tenancy import KeyRing
-from shared.connection import connect_redis, redacted
+from shared.connection import ReplicaAck, connect_redis
 from shared.job_lifecycle import JobLifecycle
 
 logger = logging.getLogger("relaylm.api")
@@ -66,7 +66,7 @@ async def _bounded_step(name: str, step: Awaitable[None]) -> None:
 
 def create_app(settings: ApiSettings) -> FastAPI:
     app_metrics = Metrics()
-    redis = connect_redis(settings.redis_url)  # connects on first use, inside the server's loop
+    redis = connect_redis(settings.redis_target)  # connects on first use, inside the server's loop
     keys = settings.keys
 
     @asynccontextmanager
@@ -78,10 +78,15 @@ def create_app(settings: ApiSettings) -> FastAPI:
         app.state.redis = redis
         app.state.directory = directory
         app.state.metrics = app_metrics
-        lifecycle = app.state.lifecycle = JobLifecycle(redis, keys)
+        replica_ack = app.state.replica_ack = ReplicaAck(
+            settings.redis_replica_wait_ms if settings.redis_target.is_replicated else 0,
+            keys.replica_ack(),
+            app_metrics.unreplicated_writes.inc,
+        )
+        lifecycle = app.state.lifecycle = JobLifecycle(redis, keys, replica_ack)
         submitter = app.state.submitter = JobSubmitter(lifecycle, keys, router, directory, settings, app_metrics)
-        files = app.state.files = FileStore(redis, keys, settings.file_retention_s)
-        batches = app.state.batches = BatchStore(redis, keys, settings.result_retention_s)
+        files = app.state.files = FileStore(redis, keys, settings.file_retention_s, replica_ack)
+        batches = app.state.batches = BatchStore(redis, keys, settings.result_retention_s, replica_ack)
         app.state.responses = ResponseStore(redis, keys, settings.result_retention_s)
         app.state.images = ImageLoader(settings, app_metrics)
         jobs = app.state.detached_jobs = DetachedJobs(lifecycle, settings.reasoning_field)
@@ -93,7 +98,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
         app.state.batch_runner = runner
         housekeeper.start()
         runner.start()
-        logger.info("API ready; Redis at %s", redacted(settings.redis_url))
+        logger.info("API ready; Redis at %s", settings.redis_target.describe())
         try:
             yield
         finally:

@@ -89,6 +89,11 @@ class Metrics:
             "relaylm:image_fetch_seconds", "Fetching one remote image (lookups, redirects and download)",
             buckets=_LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
+        self.unreplicated_writes = Counter(
+            "relaylm:redis_unreplicated_writes",
+            "Jobs, batches and files accepted before a replica acknowledged them (a failover could lose them)",
+            registry=r,
+        )
         self.live_workers = Gauge("relaylm:live_workers", "Workers heartbeating per model", ["model"], registry=r)
         worker_labels = ["model", "worker"]
         self.running = Gauge("relaylm:num_requests_running", "Sequences in the batch", worker_labels, registry=r)

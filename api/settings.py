@@ -20,6 +20,13 @@ class ApiSettings(CommonSettings):
     no_worker_grace_s: float = Field(
         default=3.0, ge=0, description="A queued job whose model has no live worker this long fails with 503."
     )
+    redis_replica_wait_ms: int = Field(
+        default=500,
+        ge=0,
+        description="Under Sentinel, how long accepting a job, a batch or a file waits for a replica to have it "
+        "(WAIT 1), so that a failover cannot lose it; past it the request is accepted anyway, with a warning. 0: "
+        "no wait.",
+    )
     sse_ping_interval_s: float = Field(default=15.0, gt=0, description="SSE keep-alive comment period.")
     api_keys: str | None = Field(
         default=None, description="Comma-separated API keys; when any is set, every route but /health needs one."

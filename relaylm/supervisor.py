@@ -18,6 +18,7 @@ import redis
 
 from api.settings import ApiSettings
 from relaylm.redis_launcher import RedisHandle, ensure_redis
+from shared.connection import RedisTarget, connect_sync_redis
 from shared.registry import WorkerInfo
 from worker.settings import WorkerSettings
 
@@ -121,8 +122,13 @@ class Supervisor:
         for signum in _STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
         try:
-            self.redis = ensure_redis(self.api_settings.redis_url)
-            self._registry = redis.Redis.from_url(self.redis.url, socket_timeout=1)
+            target = self.api_settings.redis_target
+            if target.sentinels:  # a replicated Redis is the operator's to run, never started here
+                self.redis = RedisHandle(url=target.url, origin="sentinel")
+            else:
+                self.redis = ensure_redis(target.url)
+                target = RedisTarget(self.redis.url)
+            self._registry = connect_sync_redis(target, timeout_s=1)
             self._env = _env_for(self.given, self.redis.url)
             for child in self.children:
                 self._launch(child)
@@ -155,11 +161,14 @@ class Supervisor:
         assert redis is not None
         base = self._base_url()
         origin = "already running" if redis.origin == "existing" else f"started here from {redis.origin}"
+        where = redis.url
+        if redis.origin == "sentinel":
+            where, origin = self.api_settings.redis_target.describe(), "followed through failovers"
         workers = [f"  Worker  model {child.model_id}  (pid {child.pid}; loading…)" for child in self.workers]
         lines = [
             "",
             "relaylm serve",
-            f"  Redis   {redis.url}  ({origin})",
+            f"  Redis   {where}  ({origin})",
             f"  API     {base}/v1  (pid {self.api.pid})",
             *workers,
             f"  Ready?  curl {base}/ready",

@@ -1,15 +1,36 @@
-"""The one way both processes connect to Redis: every command has a timeout, so a frozen Redis
-(process stopped, sockets open) makes calls fail within seconds instead of hanging them."""
+"""The one way every process connects to Redis: every command has a timeout, so a frozen Redis
+(process stopped, sockets open) makes calls fail within seconds instead of hanging them.
+
+Redis is one server (``--redis-url``) or a primary that Sentinel names (``--redis-sentinels``).
+Under Sentinel every new connection asks the sentinels where the primary is, a connection to a
+primary that was demoted (``READONLY``) is dropped and the command retried on the new one, and a
+long-lived subscription checks that it still listens to the primary
+(:func:`subscription_follows_primary`): a frozen old primary keeps its subscribers' sockets open
+without a word, so nothing else would move them.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
+import redis as sync_redis
+import redis.sentinel as sync_sentinel
 from redis import exceptions as redis_errors
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.client import Pipeline, PubSub
+from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
+from redis.retry import Retry as SyncRetry
 
 logger = logging.getLogger("relaylm.redis")
 
@@ -30,17 +51,376 @@ def _stale_socket_retry() -> Retry:
     return Retry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
 
 
-def connect_redis(redis_url: str) -> Redis:
+Address = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """Where Redis is: the server at ``url``, or, with ``sentinels``, the primary those sentinels
+    name for ``service`` (then ``url`` gives only the credentials, the database and TLS)."""
+
+    url: str
+    sentinels: tuple[Address, ...] = ()
+    service: str = "mymaster"
+
+    @property
+    def is_replicated(self) -> bool:
+        """Whether a failover can replace the primary (and lose its last unreplicated writes)."""
+        return bool(self.sentinels)
+
+    def describe(self) -> str:
+        """For a log line: never a password."""
+        if not self.sentinels:
+            return redacted(self.url)
+        nodes = ",".join(f"{host}:{port}" for host, port in self.sentinels)
+        return f"Sentinel service {self.service!r} via {nodes} (db {self._url_options().get('db', 0)})"
+
+    def _url_options(self) -> dict[str, Any]:
+        """The URL's credentials and database, for connections to whichever server is primary."""
+        options: dict[str, Any] = dict(parse_url(self.url))
+        kept = {name: options[name] for name in ("username", "password", "db") if options.get(name) is not None}
+        if self.url.startswith("rediss://"):
+            kept["ssl"] = True
+        return kept
+
+
+def parse_addresses(text: str) -> tuple[Address, ...]:
+    """``host:port[,host:port...]`` (an IPv6 host in brackets) as (host, port) pairs."""
+    addresses = []
+    for item in text.split(","):
+        item = item.strip()
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{item!r} is not host:port")
+        addresses.append((host.strip("[]"), int(port)))
+    if not addresses:
+        raise ValueError("no host:port given")
+    return tuple(addresses)
+
+
+SentinelState = dict[str, Any]
+
+
+class PrimaryInDoubt(MasterNotFoundError):
+    """Sentinels answer but do not agree on the primary: a failover is under way."""
+
+
+# A pool's remembered primary while the sentinels disagree: no pooled connection is used.
+_IN_DOUBT: Address = ("", 0)
+
+
+def agreed_primary(
+    answers: list[SentinelState | None], service: str, is_healthy: Callable[[SentinelState], bool]
+) -> Address:
+    """The primary a majority of the sentinels name, under the newest configuration epoch any of
+    them reports. ``answers``: each configured sentinel's view of ``service`` (None: it did not
+    answer, or does not know the service).
+
+    The first sentinel's word is not enough: during a failover, and for a moment after, a
+    sentinel that has not heard of it still names the old primary, which, frozen and thawed,
+    takes writes until the sentinels demote it (those writes are then lost). A newer epoch
+    anywhere means the majority's view is out of date; so does no majority at all. Either way
+    this raises (a connection error: callers retry) until the sentinels agree."""
+    known = [state for state in answers if state]
+    if not known:
+        raise MasterNotFoundError(f"no sentinel names a primary for {service!r}")
+    newest = max(_epoch(state) for state in known)
+    votes = Counter(
+        (str(state["ip"]), int(state["port"])) for state in known if _epoch(state) == newest and is_healthy(state)
+    )
+    if votes:
+        address, count = votes.most_common(1)[0]
+        if count > len(answers) // 2:
+            return address
+    raise PrimaryInDoubt(f"the sentinels do not agree on a primary for {service!r} yet (a failover under way?)")
+
+
+def _epoch(state: SentinelState) -> int:
+    return int(state.get("config-epoch", 0))
+
+
+class _AgreedPrimarySentinel(Sentinel):
+    """Asks every sentinel, not the first that answers (see :func:`agreed_primary`)."""
+
+    async def discover_master(self, service_name: str) -> Address:
+        async def ask(sentinel: Redis) -> SentinelState | None:
+            try:
+                masters: dict[str, SentinelState] = await sentinel.sentinel_masters()  # type: ignore[assignment]
+            except (redis_errors.ConnectionError, redis_errors.TimeoutError):
+                return None
+            return masters.get(service_name)
+
+        answers = await asyncio.gather(*(ask(sentinel) for sentinel in self.sentinels))
+        return agreed_primary(list(answers), service_name, lambda state: self.check_master_state(state, service_name))
+
+
+class _AgreedPrimarySyncSentinel(sync_sentinel.Sentinel):
+    """The blocking client's :class:`_AgreedPrimarySentinel`."""
+
+    def discover_master(self, service_name: str) -> Address:
+        answers: list[SentinelState | None] = []
+        for sentinel in self.sentinels:
+            try:
+                masters: dict[str, SentinelState] = sentinel.sentinel_masters()  # type: ignore[assignment]
+            except (redis_errors.ConnectionError, redis_errors.TimeoutError):
+                answers.append(None)
+                continue
+            answers.append(masters.get(service_name))
+        return agreed_primary(answers, service_name, lambda state: self.check_master_state(state, service_name))
+
+
+class _PrimaryConnection(SentinelManagedConnection):
+    """redis-py's Sentinel connection asks where the primary is when the pool opens it, but a
+    socket it closed (an error, a retry) is opened again at its old address: the former
+    primary's, after a failover. This one asks the sentinels again whenever it reconnects."""
+
+    _addressed = False  # inside connect_to: the address was just asked for
+
+    async def connect_to(self, address: Any) -> None:
+        self._addressed = True
+        try:
+            await super().connect_to(address)
+        finally:
+            self._addressed = False
+
+    async def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        if not self.is_connected and not self._addressed:
+            self.host, self.port = await self.connection_pool.primary()
+        await super().connect_check_health(*args, **kwargs)
+
+
+class _PrimarySSLConnection(_PrimaryConnection, SSLConnection):
+    pass
+
+
+class _SyncPrimaryConnection(sync_sentinel.SentinelManagedConnection):
+    """The blocking :class:`_PrimaryConnection`, which also closes its socket after a failed
+    read (redis-py's keeps it: the late reply of a timed-out command then answers the next one,
+    sent to a primary that may have been replaced meanwhile)."""
+
+    _addressed = False
+
+    def connect_to(self, address: Any) -> None:
+        self._addressed = True
+        try:
+            super().connect_to(address)
+        finally:
+            self._addressed = False
+
+    def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        if self._sock is None and not self._addressed:
+            # The connection holds a proxy of its pool, which holds a weak reference to it.
+            self.host, self.port = self.connection_pool.connection_pool_ref().primary()
+        super().connect_check_health(*args, **kwargs)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["disconnect_on_error"] = True
+        return super().read_response(*args, **kwargs)
+
+
+class _SyncPrimarySSLConnection(_SyncPrimaryConnection, sync_redis.SSLConnection):
+    pass
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Sentinel's pool (connections to whichever server is primary) with the blocking pool's
+    waiting for a free connection, and no command sent to a former primary.
+
+    redis-py asks the sentinels only when it opens a connection, so a pooled connection to a
+    primary that was frozen, replaced, then thawed would go on reading and writing there (it
+    takes writes until the sentinels demote it, seconds later, and those writes are lost). So,
+    at most once per :data:`_PRIMARY_REFRESH_S`, the pool asks where the primary is (waiting
+    up to :data:`_PRIMARY_REFRESH_WAIT_S` for the answer, which otherwise lands in the
+    background), and a connection to any other server is closed before it is used."""
+
+    _primary: Address | None = None
+    _refreshed_at = 0.0
+    _refreshing: asyncio.Task[None] | None = None
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        if now - self._refreshed_at > _PRIMARY_REFRESH_S and (self._refreshing is None or self._refreshing.done()):
+            self._refreshed_at = now
+            self._refreshing = asyncio.create_task(self._refresh())
+            with contextlib.suppress(TimeoutError):  # a sentinel that does not answer holds no command up
+                await asyncio.wait_for(asyncio.shield(self._refreshing), _PRIMARY_REFRESH_WAIT_S)
+        connection = await super().get_connection(*args, **kwargs)
+        moved = self._primary is not None and (connection.host, connection.port) != self._primary
+        if moved and connection.is_connected:
+            await connection.disconnect()  # the command reconnects, to the primary the sentinels name
+        return connection
+
+    async def _refresh(self) -> None:
+        with contextlib.suppress(redis_errors.RedisError):
+            await self.primary()
+
+    async def primary(self) -> Address:
+        """Where the sentinels say the primary is now. Remembered for the connections' check;
+        while the sentinels disagree, every pooled connection counts as moved (no sentinel
+        answering at all changes nothing: the connections open go on)."""
+        try:
+            self._primary = await self.sentinel_manager.discover_master(self.service_name)
+        except PrimaryInDoubt:
+            self._primary = _IN_DOUBT
+            raise
+        return self._primary
+
+
+class _SyncSentinelPool(sync_sentinel.SentinelConnectionPool):
+    """The blocking client's :class:`_BlockingSentinelPool` (the refresh runs on a thread)."""
+
+    _primary: Address | None = None
+    _refreshed_at = 0.0
+    _refreshing: threading.Thread | None = None
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        if now - self._refreshed_at > _PRIMARY_REFRESH_S and (
+            self._refreshing is None or not self._refreshing.is_alive()
+        ):
+            self._refreshed_at = now
+            self._refreshing = threading.Thread(target=self._refresh, name="relaylm-sentinel-refresh", daemon=True)
+            self._refreshing.start()
+            self._refreshing.join(_PRIMARY_REFRESH_WAIT_S)
+        connection = super().get_connection(*args, **kwargs)
+        moved = self._primary is not None and (connection.host, connection.port) != self._primary
+        if moved and getattr(connection, "_sock", None) is not None:
+            connection.disconnect()
+        return connection
+
+    def _refresh(self) -> None:
+        with contextlib.suppress(redis_errors.RedisError):
+            self.primary()
+
+    def primary(self) -> Address:
+        """As :meth:`_BlockingSentinelPool.primary`."""
+        try:
+            self._primary = self.sentinel_manager.discover_master(self.service_name)
+        except PrimaryInDoubt:
+            self._primary = _IN_DOUBT
+            raise
+        return self._primary
+
+
+def _timeouts() -> dict[str, float]:
+    return {"socket_connect_timeout": _CONNECT_TIMEOUT_S, "socket_timeout": COMMAND_TIMEOUT_S}
+
+
+def connect_redis(target: RedisTarget) -> Redis:
     """A lazily connecting client: the first command connects, so start-up never blocks on Redis."""
-    pool = BlockingConnectionPool.from_url(
-        redis_url,
+    if not target.sentinels:
+        pool = BlockingConnectionPool.from_url(
+            target.url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=COMMAND_TIMEOUT_S,
+            retry=_stale_socket_retry(),
+            **_timeouts(),
+        )
+        return Redis(connection_pool=pool)
+    sentinel = _AgreedPrimarySentinel(
+        list(target.sentinels), sentinel_kwargs=_timeouts(), **target._url_options(), **_timeouts()
+    )
+    client: Redis = sentinel.master_for(
+        target.service,
+        redis_class=Redis,
+        connection_pool_class=_BlockingSentinelPool,
+        connection_class=_PrimarySSLConnection if target._url_options().get("ssl") else _PrimaryConnection,
         max_connections=MAX_CONNECTIONS,
         timeout=COMMAND_TIMEOUT_S,
-        socket_connect_timeout=_CONNECT_TIMEOUT_S,
-        socket_timeout=COMMAND_TIMEOUT_S,
         retry=_stale_socket_retry(),
     )
-    return Redis(connection_pool=pool)
+    return client
+
+
+def connect_sync_redis(target: RedisTarget, timeout_s: float) -> sync_redis.Redis:
+    """A blocking client (for threads outside the event loop), every socket bounded by ``timeout_s``."""
+    timeouts = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
+    retry = SyncRetry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
+    if not target.sentinels:
+        return sync_redis.Redis.from_url(target.url, retry=retry, **timeouts)
+    sentinel = _AgreedPrimarySyncSentinel(
+        list(target.sentinels), sentinel_kwargs=timeouts, **target._url_options(), **timeouts
+    )
+    tls = target._url_options().get("ssl", False)
+    connection_class = _SyncPrimarySSLConnection if tls else _SyncPrimaryConnection
+    client: sync_redis.Redis = sentinel.master_for(
+        target.service, connection_pool_class=_SyncSentinelPool, retry=retry, connection_class=connection_class
+    )
+    return client
+
+
+async def subscription_follows_primary(redis: Redis, pubsub: PubSub) -> bool:
+    """False when Sentinel names a primary other than the server this subscription listens to
+    (always True without Sentinel). Raises RedisError while no sentinel names a primary."""
+    pool = redis.connection_pool
+    connection = pubsub.connection
+    if not isinstance(pool, _BlockingSentinelPool) or connection is None:
+        return True
+    primary = await pool.primary()
+    return (getattr(connection, "host", None), getattr(connection, "port", None)) == primary
+
+
+class ReplicaAck:
+    """Writes that must outlive a failover: replication is asynchronous, so a primary that dies
+    can take its last acknowledged writes with it. A request relaylm accepted (a job, a batch,
+    an uploaded file) is written, then ``WAIT 1 <timeout_ms>`` holds the reply until a replica
+    has it. Past the timeout the request is accepted anyway (a replica that is down must not stop
+    the service) and a warning says so, at most once a minute.
+
+    WAIT counts a connection's own writes, so it follows them on the same connection: in the same
+    pipeline (:meth:`write`), or, after a transaction that released its connection, behind a
+    write of ``marker_key`` (:meth:`confirm`): the replication offset only grows, so a replica
+    that has the marker has everything written before it."""
+
+    def __init__(
+        self, timeout_ms: int, marker_key: str = "", on_unacknowledged: Callable[[], None] | None = None
+    ) -> None:
+        self.timeout_ms = timeout_ms  # 0: nothing waits (one Redis, no replica to wait for)
+        self._marker_key = marker_key
+        self._on_unacknowledged = on_unacknowledged
+        self._warned_at = 0.0
+
+    async def execute(self, pipe: Pipeline, what: str) -> list[Any]:
+        """Run ``pipe`` (queued without a transaction) and, when waiting, WAIT after it."""
+        if self.timeout_ms > 0:
+            pipe.execute_command("WAIT", 1, self.timeout_ms)
+        replies: list[Any] = await pipe.execute()
+        if self.timeout_ms > 0:
+            acked = replies.pop()
+            if int(acked) < 1:
+                if self._on_unacknowledged is not None:
+                    self._on_unacknowledged()
+                now = time.monotonic()
+                if now - self._warned_at > 60:
+                    self._warned_at = now
+                    logger.warning(
+                        "%s: no replica acknowledged it within %d ms; a failover now could lose it",
+                        what,
+                        self.timeout_ms,
+                    )
+        return replies
+
+    async def write(self, redis: Redis, what: str, queue: Callable[[Pipeline], Awaitable[None] | None]) -> list[Any]:
+        """``queue`` adds the writes to a pipeline; they run on one connection, then the WAIT."""
+        pipe = redis.pipeline(transaction=False)
+        queued = queue(pipe)
+        if queued is not None:
+            await queued
+        return await self.execute(pipe, what)
+
+    async def confirm(self, redis: Redis, what: str) -> None:
+        """Wait for a replica to have every write made before this call."""
+        if self.timeout_ms > 0:
+            pipe = redis.pipeline(transaction=False)
+            pipe.set(self._marker_key, b"1", px=_MARKER_TTL_MS)
+            await self.execute(pipe, what)
+
+
+_MARKER_TTL_MS = 60_000
+# How often a Sentinel pool asks where the primary is (besides on every new connection).
+_PRIMARY_REFRESH_S = 1.0
+_PRIMARY_REFRESH_WAIT_S = 0.05
+NO_REPLICA_ACK = ReplicaAck(0)
 
 
 def redacted(url: str) -> str:
@@ -55,7 +435,7 @@ class RedisRefused(RuntimeError):
     """Redis answers but will not take us (wrong password, protected mode): retrying cannot help."""
 
 
-async def wait_for_redis(redis: Redis, redis_url: str, stop: asyncio.Event) -> bool:
+async def wait_for_redis(redis: Redis, target: RedisTarget, stop: asyncio.Event) -> bool:
     """Until Redis answers a PING: a worker on another host may well start before Redis does.
 
     False when ``stop`` was set first; ``RedisRefused`` when Redis rejects the connection."""
@@ -65,9 +445,9 @@ async def wait_for_redis(redis: Redis, redis_url: str, stop: asyncio.Event) -> b
             await redis.ping()
             return True
         except (redis_errors.AuthenticationError, redis_errors.ResponseError) as exc:
-            raise RedisRefused(f"Redis at {redacted(redis_url)} refused the connection: {exc}") from exc
+            raise RedisRefused(f"Redis at {target.describe()} refused the connection: {exc}") from exc
         except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            logger.warning("Redis at %s does not answer (%s); retrying in %.1f s", redacted(redis_url), exc, delay)
+            logger.warning("Redis at %s does not answer (%s); retrying in %.1f s", target.describe(), exc, delay)
         try:
             await asyncio.wait_for(stop.wait(), delay)
         except TimeoutError:

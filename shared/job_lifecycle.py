@@ -32,6 +32,7 @@ import redis as sync_redis
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from shared.connection import NO_REPLICA_ACK, ReplicaAck
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, ErrorEvent, encode_event
 from shared.redis_keys import (
@@ -272,9 +273,11 @@ class TenantJobsFull(Exception):
 class JobLifecycle:
     """Every transition of a job, for the API, the batch runner and workers (asyncio side)."""
 
-    def __init__(self, redis: Redis, keys: RedisKeys) -> None:
+    def __init__(self, redis: Redis, keys: RedisKeys, replica_ack: ReplicaAck = NO_REPLICA_ACK) -> None:
+        """``replica_ack``: how long creating a job waits for a replica to have it."""
         self._redis = redis
         self._keys = self.keys = keys
+        self._replica_ack = replica_ack
         self._create = redis.register_script(_CREATE)
         self._claim = redis.register_script(_CLAIM)
         self._requeue = redis.register_script(_REQUEUE)
@@ -293,13 +296,19 @@ class JobLifecycle:
         """A new queued job; raises JobQueueFull past ``limit`` queued and running jobs in its
         queue, TenantJobsFull past ``tenant_limit`` of the tenant's (0: no limit)."""
         keys, now = self._keys, now_ms()
-        created = await self._create(
-            keys=[keys.job(job_id), queue, keys.queue_running(queue), keys.tenant_jobs(tenant or "")],
-            args=[
-                limit, payload, model, queue, now, now, keys.queue_wake_channel(model), JOB_RECORD_TTL_S, job_id,
-                tenant or "", tenant_limit if tenant else 0,
-            ],
+        replies = await self._replica_ack.write(
+            self._redis,
+            f"job {job_id}",
+            lambda pipe: self._create(
+                keys=[keys.job(job_id), queue, keys.queue_running(queue), keys.tenant_jobs(tenant or "")],
+                args=[
+                    limit, payload, model, queue, now, now, keys.queue_wake_channel(model), JOB_RECORD_TTL_S, job_id,
+                    tenant or "", tenant_limit if tenant else 0,
+                ],
+                client=pipe,
+            ),
         )  # fmt: skip
+        created = replies[0]
         if created == 0:
             raise JobQueueFull(model)
         if created == -1:

@@ -56,6 +56,10 @@ class RedisKeys:
         """Sorted set of every running job (score: claim time): API processes watch their owners."""
         return f"{self.prefix}:jobs:running"
 
+    def replica_ack(self) -> str:
+        """A throw-away write that a ``WAIT`` for a replica follows (see shared.connection.ReplicaAck)."""
+        return f"{self.prefix}:replica-ack"
+
     def owner_hash_secret(self) -> str:
         """The HMAC key API processes share to name a key's owner, when no --owner-hash-secret is set."""
         return f"{self.prefix}:owner-hash-secret"

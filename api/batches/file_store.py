@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from api.batches.record_index import page_of_records
 from api.tenancy import SINGLE_USER, Tenant
 from api.wire.openai.batch import FileObject, FilePurpose
+from shared.connection import NO_REPLICA_ACK, ReplicaAck
 from shared.errors import ErrorKind, RelayError
 from shared.redis_keys import RedisKeys
 from shared.redis_replies import as_bytes
@@ -32,10 +33,13 @@ class StoredFile(FileObject):
 
 
 class FileStore:
-    def __init__(self, redis: Redis, keys: RedisKeys, retention_s: int) -> None:
+    def __init__(
+        self, redis: Redis, keys: RedisKeys, retention_s: int, replica_ack: ReplicaAck = NO_REPLICA_ACK
+    ) -> None:
         self._redis = redis
         self._keys = keys
         self.retention_s = retention_s
+        self._replica_ack = replica_ack
 
     async def create(
         self, content: bytes, filename: str, purpose: FilePurpose, ttl_s: int | None = None, owner: str | None = None
@@ -58,6 +62,7 @@ class FileStore:
             pipe.set(keys.file_meta(meta.id), meta.model_dump_json(), ex=ttl_s)
             pipe.zadd(keys.files(), {meta.id: now})
             await pipe.execute()
+        await self._replica_ack.confirm(self._redis, f"file {meta.id}")
         return meta.public()
 
     async def get(self, file_id: str, tenant: Tenant = SINGLE_USER) -> StoredFile:

@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from api.batches.record_index import page_of_records
 from api.tenancy import SINGLE_USER, Tenant
 from api.wire.openai.batch import TERMINAL_STATUSES, Batch
+from shared.connection import NO_REPLICA_ACK, ReplicaAck
 from shared.errors import ErrorKind, RelayError
 from shared.redis_keys import RedisKeys
 from shared.redis_replies import texts
@@ -48,10 +49,13 @@ class StoredBatch(Batch):
 
 
 class BatchStore:
-    def __init__(self, redis: Redis, keys: RedisKeys, retention_s: int) -> None:
+    def __init__(
+        self, redis: Redis, keys: RedisKeys, retention_s: int, replica_ack: ReplicaAck = NO_REPLICA_ACK
+    ) -> None:
         self._redis = redis
         self._keys = keys
         self._retention_s = retention_s
+        self._replica_ack = replica_ack
         self._release = redis.register_script(_RELEASE_IF_OURS)
 
     async def create(self, batch: StoredBatch) -> None:
@@ -61,6 +65,7 @@ class BatchStore:
             pipe.zadd(keys.batches(), {batch.id: batch.created_at})
             pipe.sadd(keys.active_batches(), batch.id)
             await pipe.execute()
+        await self._replica_ack.confirm(self._redis, f"batch {batch.id}")
 
     async def get(self, batch_id: str, tenant: Tenant = SINGLE_USER) -> StoredBatch:
         """The batch, if ``tenant`` may see it (404 otherwise, as for no batch at all)."""

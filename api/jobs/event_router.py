@@ -15,7 +15,7 @@ import uuid
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from shared.connection import COMMAND_TIMEOUT_S
+from shared.connection import COMMAND_TIMEOUT_S, subscription_follows_primary
 from shared.errors import ErrorKind, RelayError
 from shared.redis_keys import RedisKeys
 from shared.tasks import cancel_and_wait
@@ -26,6 +26,8 @@ _SUBSCRIBE_TIMEOUT_S = COMMAND_TIMEOUT_S
 # Reads poll: a blocking read would hit the connection's command timeout whenever no job talks.
 _READ_POLL_S = 1.0
 _RETRY_DELAY_S = 0.5
+# How often the subscription checks it still listens to the primary (under Sentinel).
+_PRIMARY_CHECK_S = 2.0
 
 
 class EventRouter:
@@ -75,13 +77,27 @@ class EventRouter:
         while True:
             try:
                 await self._pubsub.subscribe(self._home_channel)
+                checked_at = asyncio.get_running_loop().time()
                 while True:
                     message = await self._pubsub.get_message(timeout=_READ_POLL_S)
                     if message is not None:
                         self._route(message)
+                    if asyncio.get_running_loop().time() - checked_at > _PRIMARY_CHECK_S:
+                        checked_at = asyncio.get_running_loop().time()
+                        if not await subscription_follows_primary(self._redis, self._pubsub):
+                            logger.warning("the Redis primary moved; subscribing there")
+                            await self._move_subscription()
             except RedisError as exc:
                 logger.warning("event subscription lost (%s); reconnecting", exc)
                 await asyncio.sleep(_RETRY_DELAY_S)
+
+    async def _move_subscription(self) -> None:
+        """Drop the connection to the old primary: the next subscribe connects to the new one and
+        subscribes every channel again (events published meanwhile come from the jobs' logs)."""
+        connection = self._pubsub.connection
+        if connection is not None:
+            await connection.disconnect()
+        await self._pubsub.subscribe(self._home_channel)
 
     def _route(self, message: dict[str, object]) -> None:
         channel = message["channel"]

@@ -24,6 +24,7 @@ from relaylm.redis_launcher import find_redis_server
 from shared.redis_keys import WORKER_HEARTBEAT_TTL_S
 from tests.conftest import make_stack
 from tests.e2e.conftest import TWO_WORKER_MODEL
+from tests.support.batches import submit_batch
 from tests.support.stack import Stack, free_port
 
 pytestmark = pytest.mark.slow
@@ -115,21 +116,7 @@ def _log_seqs(stack: Stack, job_id: str) -> list[int]:
 
 
 def _submit_batch(base_url: str, num_lines: int, max_tokens: int = 40) -> str:
-    lines = [
-        json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {**BODY, "max_tokens": max_tokens + i % 7}})
-        for i in range(num_lines)
-    ]  # fmt: skip
-    files = {"file": ("batch.jsonl", "\n".join(lines).encode(), "application/jsonl")}
-    uploaded = httpx.post(f"{base_url}/v1/files", data={"purpose": "batch"}, files=files, timeout=10)
-    assert uploaded.status_code == 200, uploaded.text
-    created = httpx.post(
-        f"{base_url}/v1/batches",
-        json={"input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-        timeout=10,
-    )
-    assert created.status_code == 200, created.text
-    return str(created.json()["id"])
+    return submit_batch(base_url, [{**BODY, "max_tokens": max_tokens + i % 7} for i in range(num_lines)])
 
 
 def _wait_completed(base_url: str, batch_id: str, at_least: int, timeout_s: float) -> dict[str, object]:

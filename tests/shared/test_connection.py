@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 
 from relaylm.redis_launcher import find_redis_server, start_redis
-from shared.connection import MAX_CONNECTIONS, connect_redis
+from shared.connection import MAX_CONNECTIONS, RedisTarget, connect_redis
 
 
 def test_a_burst_past_the_connection_limit_waits_its_turn(redis_url: str) -> None:
     # redis-py's default pool raises MaxConnectionsError at its 100th concurrent command; a
     # 200-request burst on one API process did exactly that (503 redis_unavailable under load).
     async def burst() -> list[object]:
-        redis = connect_redis(redis_url)
+        redis = connect_redis(RedisTarget(redis_url))
         try:
             # BLPOP on an empty list holds its connection for its whole timeout.
             slow = [redis.blpop(["relaylm-test:never-filled"], timeout=0.3) for _ in range(MAX_CONNECTIONS)]
@@ -38,7 +38,7 @@ def test_every_pooled_connection_recovers_after_a_redis_restart() -> None:
     port = int(first.url.rsplit(":", 1)[1].split("/")[0])
 
     async def scenario() -> list[object]:
-        redis = connect_redis(first.url)
+        redis = connect_redis(RedisTarget(first.url))
         try:
             # Sixteen connections in the pool, each held open by a short BLPOP at once.
             await asyncio.gather(*(redis.blpop(["relaylm-test:empty"], timeout=0.1) for _ in range(16)))

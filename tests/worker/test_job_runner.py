@@ -12,6 +12,7 @@ import uuid
 
 from redis.asyncio import Redis
 
+from shared.connection import RedisTarget
 from shared.contract import CONTRACT_VERSION, AnyJob, ChatJob, Generate, Message, encode_job
 from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent
@@ -44,7 +45,7 @@ async def _run_failing_job(redis: Redis, redis_url: str, error: Exception) -> Er
     await lifecycle.create(job_id, encode_job(ChatJob(job_id=job_id, created=0, request=request)), MODEL, "q")
     claim = await lifecycle.claim("q", "worker-a", "instance-a")
     assert claim is not None
-    publisher = EventPublisher(redis_url, keys)
+    publisher = EventPublisher(RedisTarget(redis_url), keys)
     runner = JobRunner(lifecycle, "worker-a", MODEL, _FailingHandler(error), publisher, 60.0)  # type: ignore[arg-type]
     try:
         await runner.run(claim)
@@ -75,7 +76,7 @@ async def test_a_refused_request_ends_the_stream_with_its_own_error(redis: Redis
 async def _run_claimed(lifecycle: JobLifecycle, redis_url: str, keys: RedisKeys, left: list[str]) -> None:
     claim = await lifecycle.claim("q", "worker-a", "instance-a")
     assert claim is not None
-    publisher = EventPublisher(redis_url, keys)
+    publisher = EventPublisher(RedisTarget(redis_url), keys)
     runner = JobRunner(
         lifecycle, "worker-a", MODEL, _FailingHandler(RuntimeError("never prepared")), publisher, 60.0,  # type: ignore[arg-type]
         on_job_left=lambda: left.append("left"),

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
+from shared.connection import RedisTarget
 from shared.contract import encode_job
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, ErrorEvent
@@ -45,7 +46,7 @@ class _Worker:
 async def worker(redis: Redis, redis_url: str) -> AsyncIterator[_Worker]:
     keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
     lifecycle = JobLifecycle(redis, keys)
-    publisher = EventPublisher(redis_url, keys)
+    publisher = EventPublisher(RedisTarget(redis_url), keys)
     whisper = stand_in_whisper()
     engine = TranscriptionEngine(whisper, publisher.sink)
     thread = threading.Thread(target=engine.run_forever, daemon=True)

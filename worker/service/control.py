@@ -10,6 +10,7 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from shared.connection import subscription_follows_primary
 from shared.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -18,6 +19,8 @@ Handler = Callable[[bytes], None]
 _RETRY_DELAY_S = 0.5
 # Reads poll: a blocking read would hit the connection's command timeout on a quiet channel.
 _READ_POLL_S = 1.0
+# How often the subscription checks it still listens to the primary (under Sentinel).
+_PRIMARY_CHECK_S = 2.0
 
 
 class ControlListener:
@@ -41,10 +44,16 @@ class ControlListener:
             try:
                 await pubsub.subscribe(*self._handlers)
                 self._subscribed.set()
+                checked_at = asyncio.get_running_loop().time()
                 while True:
                     message = await pubsub.get_message(timeout=_READ_POLL_S)
                     if message is not None and message["type"] == "message":
                         self._dispatch(message["channel"], message["data"])
+                    if asyncio.get_running_loop().time() - checked_at > _PRIMARY_CHECK_S:
+                        checked_at = asyncio.get_running_loop().time()
+                        if not await subscription_follows_primary(self._redis, pubsub):
+                            logger.warning("the Redis primary moved; subscribing there")
+                            break  # a new subscription, on a new connection
             except RedisError as exc:
                 logger.warning("control channel lost (%s); resubscribing", exc)
                 await asyncio.sleep(_RETRY_DELAY_S)

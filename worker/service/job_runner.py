@@ -132,7 +132,7 @@ class JobRunner:
         outcome = await self._wait(job_id, request_id, done)
         if outcome is PublishOutcome.LOST:
             self._engine.abort(job_id)
-            await self._log_loss(job_id, request_id)
+            await self._settle_loss(claim, request_id)
             return
         completion_tokens = getattr(work, "num_completion_tokens", 0)
         log_transition(logger, "finished", job_id, request_id, completion_tokens=completion_tokens)
@@ -189,14 +189,22 @@ class JobRunner:
         except TimeoutError:
             return PublishOutcome.LOST
 
-    async def _log_loss(self, job_id: str, request_id: str | None) -> None:
-        """Why the job's writes were refused: cancelled (its client left), or taken over."""
+    async def _settle_loss(self, claim: Claim, request_id: str | None) -> None:
+        """Why the job's writes were refused: cancelled (its client left), or taken over. A job
+        whose record still runs under this worker's claim was refused by another server (a
+        demoted primary, during a failover): it goes back to its queue, so that a claim on the
+        primary continues it from its log; dropped, its stream would wait for a live worker
+        that no longer runs it."""
+        job_id = claim.job_id
         try:
             record = await self._lifecycle.record(job_id)
         except RedisError:
             record = None
         if record is not None and record.state is JobState.CANCELLED:
             log_transition(logger, "cancelled", job_id, request_id, by="client")
+        elif record is not None and record.state is JobState.RUNNING and record.epoch == claim.epoch:
+            log_transition(logger, "refused", job_id, request_id, by="a former primary")
+            await self._hand_back(claim)
         else:
             state = record.state.value if record is not None else "gone"
             log_transition(logger, "dropped", job_id, request_id, reason="moved on without this worker", state=state)

@@ -78,13 +78,13 @@ class WorkerProcess:
         self.settings = settings
         self.keys = settings.keys
         self.task = resolve_task(settings)
-        self.redis = connect_redis(settings.redis_url)
+        self.redis = connect_redis(settings.redis_target)
         self.lifecycle = JobLifecycle(self.redis, self.keys)
         self.registration = WorkerRegistration(
             self.redis, self.keys, settings.worker_id, settings.model_id, settings.heartbeat_interval_s, self.task,
             cpus=cpu_set(), sizes_own_threads=settings.num_threads is None,
         )  # fmt: skip
-        self.publisher = EventPublisher(settings.redis_url, self.keys)
+        self.publisher = EventPublisher(settings.redis_target, self.keys)
         # Before the model loads: this worker's share of the host's cores (refined once registered).
         initial_threads = settings.num_threads or available_cores()
         if self.task == "embed":
@@ -183,7 +183,7 @@ class WorkerProcess:
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
-        if not await wait_for_redis(self.redis, s.redis_url, stop):
+        if not await wait_for_redis(self.redis, s.redis_target, stop):
             return
         await self.registration.beat()
         self.registration.start()

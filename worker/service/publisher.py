@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-import redis
 from redis.exceptions import RedisError
 
+from shared.connection import RedisTarget, connect_sync_redis
 from shared.events import EndEvent, ErrorEvent, encode_event
 from shared.job_lifecycle import AppendReply, AppendRequest, AppendStatus, EventAppender, JobState
 from shared.redis_keys import RedisKeys
@@ -64,10 +64,8 @@ class _Outbox:
 
 
 class EventPublisher:
-    def __init__(self, redis_url: str, keys: RedisKeys) -> None:
-        client = redis.Redis.from_url(
-            redis_url, socket_connect_timeout=_SOCKET_TIMEOUT_S, socket_timeout=_SOCKET_TIMEOUT_S
-        )
+    def __init__(self, target: RedisTarget, keys: RedisKeys) -> None:
+        client = connect_sync_redis(target, _SOCKET_TIMEOUT_S)
         self._client = client
         self._appender = EventAppender(client, keys)
         self._loop = asyncio.get_running_loop()
@@ -93,13 +91,16 @@ class EventPublisher:
             self._outboxes.pop(job_id, None)
 
     def sink(self, outputs: list[RequestOutput]) -> None:
-        """The engine's sink, called on the engine thread once per step."""
+        """The engine's sink, called on the engine thread once per step. While Redis fails, the
+        retry thread alone writes: each try can take a command timeout, which the engine's
+        steps must not wait for."""
         with self._lock:
             for output in outputs:
                 box = self._outboxes.get(output.request_id)
                 if box is not None:
                     box.add(output)
-            self._flush()
+            if self._failing_since is None:
+                self._flush()
 
     async def publish(self, output: RequestOutput) -> None:
         """Events made on the event loop (a job rejected before it reached the engine)."""
