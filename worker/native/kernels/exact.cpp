@@ -439,6 +439,115 @@ PORTABLE_CLONES static void matmul_block_scalar(const PackedWeight& w, int64_t b
 }
 
 #ifdef RELAYLM_X86
+// The AVX2 matmul (CPUs without the AVX-512 path): `matmul_block_scalar`'s operations on 8 lanes at
+// a time, and several rows per pass over a block's weights, so each quad's weights are loaded and
+// widened once for all of them. The integer dots are group_dots_avx2's; each lane's float terms
+// are group_term's, in the same order (no FMA: -ffp-contract=off, and the target has none).
+#define AVX2_TARGET __attribute__((target("avx2,f16c")))
+
+AVX2_TARGET static inline void load_scales_avx2(const void* base, int64_t i, bool half, __m256* lanes) {
+  if (half) {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + i;
+    lanes[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lanes[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  } else {
+    lanes[0] = _mm256_loadu_ps(static_cast<const float*>(base) + i);
+    lanes[1] = _mm256_loadu_ps(static_cast<const float*>(base) + i + 8);
+  }
+}
+
+// Lanes 0-7 and 8-15 of a group's dots from the four per-4-lane partial-pair accumulators.
+AVX2_TARGET static inline void finish_dots_avx2(const __m256i* part, __m256i* dot) {
+  // hadd gives lanes [0 1 4 5 | 2 3 6 7]; the 64-bit permute puts them in order.
+  dot[0] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(part[0], part[1]), _MM_SHUFFLE(3, 1, 2, 0));
+  dot[1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(part[2], part[3]), _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+template <int kBits, int R>
+AVX2_TARGET static inline void matmul_rows_avx2(const PackedWeight& w, int64_t block, const RowQuant* rows,
+                                                __m256* acc) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* data = w.data + (block * w.groups + g) * kBits * kLanes * 4;
+    __m256i part[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) part[r][c] = _mm256_setzero_si256();
+    for (int quad = 0; quad < 8; ++quad) {
+      const uint8_t* base = data + (kBits == 8 ? quad : (quad & 3)) * kLanes * 4;
+      __m256i w16[4];
+      for (int c = 0; c < 4; ++c) {
+        __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 16 * c));
+        if (kBits == 4) bytes = _mm_and_si128(quad < 4 ? bytes : _mm_srli_epi16(bytes, 4), nibble);
+        w16[c] = _mm256_cvtepu8_epi16(bytes);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t xword;
+        std::memcpy(&xword, rows[r].q + g * kGroup + quad * 4, 4);
+        __m256i x16 = _mm256_cvtepi8_epi16(_mm_set1_epi32(xword));
+        for (int c = 0; c < 4; ++c) part[r][c] = _mm256_add_epi32(part[r][c], _mm256_madd_epi16(w16[c], x16));
+      }
+    }
+    const int64_t s = (block * w.groups + g) * kLanes;
+    __m256 scale[2], mn[2];
+    load_scales_avx2(w.scales, s, w.half, scale);
+    if (w.mins) load_scales_avx2(w.mins, s, w.half, mn);
+    for (int r = 0; r < R; ++r) {
+      __m256i dot[2];
+      finish_dots_avx2(part[r], dot);
+      const int32_t sum = rows[r].sums[g];
+      const __m256i zero_sum = _mm256_set1_epi32(w.zero * sum);
+      const __m256 d = _mm256_set1_ps(rows[r].d[g]);
+      for (int h = 0; h < 2; ++h) {
+        __m256 t = _mm256_mul_ps(scale[h], _mm256_cvtepi32_ps(_mm256_sub_epi32(dot[h], zero_sum)));
+        if (w.mins) t = _mm256_add_ps(t, _mm256_mul_ps(mn[h], _mm256_set1_ps(static_cast<float>(sum))));
+        acc[2 * r + h] = _mm256_add_ps(acc[2 * r + h], _mm256_mul_ps(d, t));
+      }
+    }
+  }
+}
+
+// One row's 16 sums, then the scalar epilogue (bias, residual, store), as matmul_block_scalar's.
+AVX2_TARGET static inline void store_row_avx2(const __m256* acc, int64_t block, int64_t r, int64_t n_out,
+                                              Epilogue epi, void* out, int64_t out_stride, bool out_bf16) {
+  float sums[kLanes];
+  _mm256_storeu_ps(sums, acc[0]);
+  _mm256_storeu_ps(sums + 8, acc[1]);
+  for (int lane = 0; lane < kLanes; ++lane) {
+    int64_t n = block * kLanes + lane;
+    if (n >= n_out) break;
+    float value = sums[lane];
+    if (epi.bias) value = value + epi.bias[n];
+    if (epi.residual) value = load_as_float(epi.residual, r * out_stride + n, out_bf16) + value;
+    store_from_float(out, r * out_stride + n, value, out_bf16);
+  }
+}
+
+template <int kBits>
+AVX2_TARGET static void matmul_block_avx2(const PackedWeight& w, int64_t block, const RowQuant* rows,
+                                          int64_t num_rows, int64_t n_out, Epilogue epi, void* out,
+                                          int64_t out_stride, bool out_bf16) {
+  constexpr int kRows = 3;
+  int64_t r = 0;
+  for (; r + kRows <= num_rows; r += kRows) {
+    __m256 acc[2 * kRows];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    matmul_rows_avx2<kBits, kRows>(w, block, rows + r, acc);
+    for (int i = 0; i < kRows; ++i) store_row_avx2(acc + 2 * i, block, r + i, n_out, epi, out, out_stride, out_bf16);
+  }
+  for (; r < num_rows; ++r) {
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    matmul_rows_avx2<kBits, 1>(w, block, rows + r, acc);
+    store_row_avx2(acc, block, r, n_out, epi, out, out_stride, out_bf16);
+  }
+}
+
+static bool use_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
+#ifdef RELAYLM_X86
 AVX512_TARGET static inline __m512 load_scales(const void* base, int64_t i, bool half) {
   if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i)));
   return _mm512_loadu_ps(static_cast<const float*>(base) + i);
@@ -596,6 +705,13 @@ at::Tensor qlinear(const at::Tensor& x_in, int64_t prologue, const c10::optional
 #ifdef RELAYLM_X86
       if (vec) {
         matmul_block_avx512(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
+        continue;
+      }
+      if (use_avx2()) {
+        if (w.bits == 8)
+          matmul_block_avx2<8>(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
+        else
+          matmul_block_avx2<4>(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
         continue;
       }
 #endif
