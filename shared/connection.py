@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -42,6 +43,10 @@ _RETRY_MAX_S = 5.0
 # connection (up to one command timeout) instead of failing: redis-py's plain pool raises
 # MaxConnectionsError at its 100th concurrent command, which a 200-stream burst reaches.
 MAX_CONNECTIONS = 64
+# How often a Sentinel pool asks where the primary is (besides on every new connection), and how
+# long a command waits for that answer.
+_PRIMARY_REFRESH_S = 1.0
+_PRIMARY_REFRESH_WAIT_S = 0.05
 
 
 def _stale_socket_retry() -> Retry:
@@ -73,10 +78,11 @@ class RedisTarget:
         if not self.sentinels:
             return redacted(self.url)
         nodes = ",".join(f"{host}:{port}" for host, port in self.sentinels)
-        return f"Sentinel service {self.service!r} via {nodes} (db {self._url_options().get('db', 0)})"
+        return f"Sentinel service {self.service!r} via {nodes} (db {self.primary_options.get('db', 0)})"
 
-    def _url_options(self) -> dict[str, Any]:
-        """The URL's credentials and database, for connections to whichever server is primary."""
+    @functools.cached_property
+    def primary_options(self) -> dict[str, Any]:
+        """The URL's credentials, database and TLS, for connections to whichever server is primary."""
         options: dict[str, Any] = dict(parse_url(self.url))
         kept = {name: options[name] for name in ("username", "password", "db") if options.get(name) is not None}
         if self.url.startswith("rediss://"):
@@ -318,13 +324,13 @@ def connect_redis(target: RedisTarget) -> Redis:
         )
         return Redis(connection_pool=pool)
     sentinel = _AgreedPrimarySentinel(
-        list(target.sentinels), sentinel_kwargs=_timeouts(), **target._url_options(), **_timeouts()
+        list(target.sentinels), sentinel_kwargs=_timeouts(), **target.primary_options, **_timeouts()
     )
     client: Redis = sentinel.master_for(
         target.service,
         redis_class=Redis,
         connection_pool_class=_BlockingSentinelPool,
-        connection_class=_PrimarySSLConnection if target._url_options().get("ssl") else _PrimaryConnection,
+        connection_class=_PrimarySSLConnection if target.primary_options.get("ssl") else _PrimaryConnection,
         max_connections=MAX_CONNECTIONS,
         timeout=COMMAND_TIMEOUT_S,
         retry=_stale_socket_retry(),
@@ -339,9 +345,9 @@ def connect_sync_redis(target: RedisTarget, timeout_s: float) -> sync_redis.Redi
     if not target.sentinels:
         return sync_redis.Redis.from_url(target.url, retry=retry, **timeouts)
     sentinel = _AgreedPrimarySyncSentinel(
-        list(target.sentinels), sentinel_kwargs=timeouts, **target._url_options(), **timeouts
+        list(target.sentinels), sentinel_kwargs=timeouts, **target.primary_options, **timeouts
     )
-    tls = target._url_options().get("ssl", False)
+    tls = target.primary_options.get("ssl", False)
     connection_class = _SyncPrimarySSLConnection if tls else _SyncPrimaryConnection
     client: sync_redis.Redis = sentinel.master_for(
         target.service, connection_pool_class=_SyncSentinelPool, retry=retry, connection_class=connection_class
@@ -417,9 +423,6 @@ class ReplicaAck:
 
 
 _MARKER_TTL_MS = 60_000
-# How often a Sentinel pool asks where the primary is (besides on every new connection).
-_PRIMARY_REFRESH_S = 1.0
-_PRIMARY_REFRESH_WAIT_S = 0.05
 NO_REPLICA_ACK = ReplicaAck(0)
 
 
