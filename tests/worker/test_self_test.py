@@ -51,7 +51,7 @@ def test_logits_that_depend_on_the_batch_fail_it(deterministic: LoadedModel, mon
     monkeypatch.setattr(model, "logits", by_row_count)
     result = check_determinism(model, deterministic.tokenizer, deterministic.eos_token_ids, {1})
     assert not result.holds
-    assert "eight at a time" in result.detail and "differ from their run alone" in result.detail
+    assert "all at once" in result.detail and "differ from their run alone" in result.detail
 
 
 def test_a_thread_count_that_changes_bits_fails_it(deterministic: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,7 @@
 """The deterministic promise, tested on the loaded model before a worker claims it: the whole
 step (forward, sampler, scheduler, prefix cache), not one kernel.
 
-A few greedy and seeded continuations run alone; then the same requests eight at a time with
+A few greedy and seeded continuations run alone; then all of them at once with
 prefill chunked, half their prompts already in the prefix cache and half new; then alone again
 at one thread and at every core the worker may use (its host pool changes its thread count while
 it serves). Every run must give every request the same tokens. The prompts are fixed token ids,
@@ -104,12 +104,12 @@ def check_determinism(
     try:
         alone_engine, alone_done = engine(MAX_LEN, prefix_cache=False)
         alone = _run(alone_engine, alone_done, ([r] for r in _requests(prompts + cached, "alone")))
-        # Eight at a time, chunked at 48 tokens: the `cached` prompts extend prompts the cache holds.
+        # All at once, chunked at 48 tokens: the `cached` prompts extend prompts the cache holds.
         batch_engine, batch_done = engine(48, prefix_cache=True)
         _run(batch_engine, batch_done, [_requests(prompts, "warm")])
         together = _run(batch_engine, batch_done, [_requests(prompts + cached, "together")])
         if together != alone:
-            return _result(False, started, "eight at a time, chunked, from the prefix cache", together, alone)
+            return _result(False, started, "all at once, chunked, from the prefix cache", together, alone)
         for count in sorted(set(thread_counts) - {threads}):
             torch.set_num_threads(count)
             again = _run(alone_engine, alone_done, ([r] for r in _requests(prompts + cached, f"t{count}")))
