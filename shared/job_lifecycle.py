@@ -19,7 +19,7 @@ one (earlier ones are duplicates of a retried write and skipped; a later one is 
 fills from its own copy). The log's entry ids are ``<seq>-1`` so readers can start at any event.
 
 This replaces arq: fencing needs the claim, the owner and the epoch in one record, and arq's
-records would have to be rewritten by hand to get that (see README, "How a request travels").
+records would have to be rewritten by hand to get that (see docs/design/request-path.md, "Why not arq").
 """
 
 from __future__ import annotations

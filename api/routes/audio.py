@@ -1,6 +1,6 @@
 """``POST /v1/audio/transcriptions`` and ``/v1/audio/translations``: Whisper through the queue.
 
-The upload is decoded here (PyAV) and cut at its quiet moments into windows of at most 30 s
+The upload is decoded here (PyAV) and cut at its quiet moments into windows of at most --audio-window-s
 (:mod:`api.audio.windows`); each window is one job (:mod:`api.audio.recording`), so every
 worker of the model takes windows of one long recording at once, and the answer stitches them
 in order.

@@ -3,8 +3,8 @@ load. Under each fault every stream ends with its complete text, or with an Open
 event and ``[DONE]``, within 10 s of the fault (a frozen Redis: of its thaw); every batch line
 ends exactly once; no process writes to a job it does not own.
 
-Numbers in the test names refer to the cases of the job-lifecycle issue; README's "What
-survives what" table quotes what these tests measure.
+The numbers in the test names are the fault cases; the "What survives what" table in
+docs/operations.md quotes what these tests measure.
 """
 
 from __future__ import annotations

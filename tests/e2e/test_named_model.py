@@ -40,7 +40,7 @@ def coder(redis_url: str, log_dir: Path) -> Iterator[Stack]:
         # On a CPU without the exact kernels' AVX-512 code, their portable code would spend longer than
         # the start-up timeout in this 0.5B model's load-time self-test (the 135M default model's
         # takes ~2 minutes there): on such a CPU it is served as such a CPU is best served,
-        # --deterministic off (README, Determinism).
+        # --deterministic off (docs/design/determinism.md).
         deterministic = "on" if exact.available() and exact.has_vector_path() else "off"
         stack.start_worker(
             MODEL, MODEL, cache_dir=models.test_cache_dir(), max_model_len=4096, max_num_seqs=2,

@@ -20,7 +20,7 @@ from shared.redis_keys import RedisKeys
 from shared.registry import WorkerInfo
 
 # A worker's start includes its deterministic self-test: ~4 s for the default model on the exact
-# kernels' AVX-512 VNNI code, ~2 minutes on 2 cores of a CPU without AVX-512 (the portable code).
+# kernels' AVX-512 VNNI code, ~35 s on 2 cores of an AVX2-only CPU (the portable code), more under load.
 _START_TIMEOUT_S = 300.0
 
 

@@ -9,7 +9,7 @@ hold are the engine's decisions (``worker/engine``: the scheduler, ``kv_blocks.p
 
 Why slots rather than paged blocks: attention then reads each layer's keys and values as one
 strided view ``[rows, heads, length, dim]`` with no gather. On CPU, gathering 16-token blocks
-into that shape cost more than the attention itself (see bench/README.md). Running sequences
+into that shape cost more than the attention itself (docs/design/engine.md). Running sequences
 are kept in slots ``0..N-1`` (compacted when one leaves), so the decode batch is always a view.
 
 Why that no longer costs concurrency (vAttention's idea, with the CPU's own pager): on the CPU
