@@ -16,7 +16,7 @@ from shared.connection import RedisTarget
 from shared.contract import CONTRACT_VERSION, AnyJob, ChatJob, Generate, Message, encode_job
 from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent
-from shared.job_lifecycle import JobLifecycle, JobState
+from shared.job_lifecycle import Claim, JobLifecycle, JobState, NotYet
 from shared.redis_keys import RedisKeys
 from worker.engine.sequence import ResumeState
 from worker.service.job_runner import CONTRACT_GRACE_S, JobRunner
@@ -114,3 +114,63 @@ async def test_a_newer_contract_job_nobody_reads_fails_after_the_grace(redis: Re
     assert len(events) == 1 and isinstance(events[0], ErrorEvent) and not left
     assert events[0].kind is ErrorKind.NO_LIVE_WORKER
     assert f"version {CONTRACT_VERSION + 1}" in events[0].message and "upgrade the workers" in events[0].message
+
+
+class _Engine:
+    """Records the jobs it is told to abort."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, job_id: str, *args: object) -> None:
+        self.aborted.append(job_id)
+
+
+class _Handler:
+    def __init__(self) -> None:
+        self.engine = _Engine()
+
+
+async def _refused_writes(redis: Redis, redis_url: str, before: str) -> tuple[JobLifecycle, str, list[str]]:
+    """A claimed job whose event writes were refused, after ``before`` happened to it on the
+    primary: 'nothing' (another server refused them: a demoted primary during a failover),
+    'cancelled' (its client left) or 'taken over' (another worker claimed it)."""
+    keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
+    lifecycle = JobLifecycle(redis, keys)
+    job_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request = Generate(model=MODEL, messages=[Message(role="user", content="hi")])
+    await lifecycle.create(job_id, encode_job(ChatJob(job_id=job_id, created=0, request=request)), MODEL, "q")
+    claim = await lifecycle.claim("q", "worker-a", "instance-a")
+    assert claim is not None and not isinstance(claim, NotYet)
+    if before == "cancelled":
+        await lifecycle.cancel([job_id])
+    elif before == "taken over":
+        assert await lifecycle.requeue(job_id, claim.epoch)
+        assert isinstance(await lifecycle.claim("q", "worker-b", "instance-b"), Claim)
+    handler = _Handler()
+    publisher = EventPublisher(RedisTarget(redis_url), keys)
+    runner = JobRunner(lifecycle, "worker-a", MODEL, handler, publisher, 60.0)  # type: ignore[arg-type]
+    try:
+        await runner._settle_loss(claim, None)
+    finally:
+        publisher.close()
+    return lifecycle, job_id, handler.engine.aborted
+
+
+async def test_writes_refused_by_a_former_primary_hand_the_job_back(redis: Redis, redis_url: str) -> None:
+    lifecycle, job_id, aborted = await _refused_writes(redis, redis_url, "nothing")
+    record = await lifecycle.record(job_id)
+    assert record is not None and record.state is JobState.QUEUED and record.owner is None
+    assert aborted == [job_id]
+    again = await lifecycle.claim("q", "worker-b", "instance-b")  # the primary's next claim continues it
+    assert isinstance(again, Claim) and again.job_id == job_id and again.attempt == 2
+
+
+async def test_writes_refused_after_a_cancel_or_a_takeover_leave_the_job_alone(redis: Redis, redis_url: str) -> None:
+    lifecycle, job_id, aborted = await _refused_writes(redis, redis_url, "cancelled")
+    record = await lifecycle.record(job_id)
+    assert record is not None and record.state is JobState.CANCELLED and aborted == []
+    lifecycle, job_id, aborted = await _refused_writes(redis, redis_url, "taken over")
+    record = await lifecycle.record(job_id)
+    assert record is not None and record.state is JobState.RUNNING and record.owner == "worker-b"
+    assert aborted == []
