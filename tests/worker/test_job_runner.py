@@ -16,7 +16,7 @@ from shared.connection import RedisTarget
 from shared.contract import CONTRACT_VERSION, AnyJob, ChatJob, Generate, Message, encode_job
 from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent
-from shared.job_lifecycle import Claim, JobLifecycle, JobState, NotYet
+from shared.job_lifecycle import Claim, JobLifecycle, JobState
 from shared.redis_keys import RedisKeys
 from worker.engine.sequence import ResumeState
 from worker.service.job_runner import CONTRACT_GRACE_S, JobRunner
@@ -37,14 +37,21 @@ class _FailingHandler:
         raise self.error
 
 
-async def _run_failing_job(redis: Redis, redis_url: str, error: Exception) -> ErrorEvent:
+async def _claimed_chat_job(redis: Redis) -> tuple[RedisKeys, JobLifecycle, Claim]:
+    """A chat job created on queue 'q' and claimed by worker-a."""
     keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
     lifecycle = JobLifecycle(redis, keys)
     job_id = f"chatcmpl-{uuid.uuid4().hex}"
     request = Generate(model=MODEL, messages=[Message(role="user", content="hi")])
     await lifecycle.create(job_id, encode_job(ChatJob(job_id=job_id, created=0, request=request)), MODEL, "q")
     claim = await lifecycle.claim("q", "worker-a", "instance-a")
-    assert claim is not None
+    assert isinstance(claim, Claim)
+    return keys, lifecycle, claim
+
+
+async def _run_failing_job(redis: Redis, redis_url: str, error: Exception) -> ErrorEvent:
+    keys, lifecycle, claim = await _claimed_chat_job(redis)
+    job_id = claim.job_id
     publisher = EventPublisher(RedisTarget(redis_url), keys)
     runner = JobRunner(lifecycle, "worker-a", MODEL, _FailingHandler(error), publisher, 60.0)  # type: ignore[arg-type]
     try:
@@ -135,13 +142,8 @@ async def _refused_writes(redis: Redis, redis_url: str, before: str) -> tuple[Jo
     """A claimed job whose event writes were refused, after ``before`` happened to it on the
     primary: 'nothing' (another server refused them: a demoted primary during a failover),
     'cancelled' (its client left) or 'taken over' (another worker claimed it)."""
-    keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
-    lifecycle = JobLifecycle(redis, keys)
-    job_id = f"chatcmpl-{uuid.uuid4().hex}"
-    request = Generate(model=MODEL, messages=[Message(role="user", content="hi")])
-    await lifecycle.create(job_id, encode_job(ChatJob(job_id=job_id, created=0, request=request)), MODEL, "q")
-    claim = await lifecycle.claim("q", "worker-a", "instance-a")
-    assert claim is not None and not isinstance(claim, NotYet)
+    keys, lifecycle, claim = await _claimed_chat_job(redis)
+    job_id = claim.job_id
     if before == "cancelled":
         await lifecycle.cancel([job_id])
     elif before == "taken over":
