@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
+CLUSTER_SUITES := tests/e2e/test_chat_openai_client.py tests/e2e/test_batches.py tests/e2e/test_responses_api.py
 
 .PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
@@ -27,14 +28,17 @@ $(INSTALLED): pyproject.toml scripts/install-torch.sh
 serve: $(INSTALLED)
 	$(VENV)/bin/relaylm serve $(foreach model,$(MODEL) $(MODELS),--model $(model)) $(ARGS)
 
-## The whole suite: lint and type-check (mypy: api/ and shared/), then unit, integration and end-to-end tests
-## (the audio tests' Debian packages, pocketsphinx-testdata and espeak-ng, are installed first when missing).
+## The whole suite: lint and type-check (mypy: api/ and shared/), then unit, integration and end-to-end tests,
+## then the chat, batch and Responses end-to-end suites on a Redis Cluster (the audio tests' Debian packages,
+## pocketsphinx-testdata and espeak-ng, are installed first when missing).
 test: $(INSTALLED)
 	scripts/install-test-data.sh
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
+	# The chat, batch and Responses end-to-end suites again, every stack on a 3-primary Redis Cluster.
+	$(PY) -m pytest --redis-cluster $(CLUSTER_SUITES)
 
 ## The documentation site (docs/, mkdocs.yml) built strict into site/; `make test` builds it too. The settings page is generated: python -m relaylm.settings_page.
 docs: $(INSTALLED)
@@ -73,9 +77,10 @@ bench-batch: $(BENCH_INSTALLED)
 bench-scaling: $(BENCH_INSTALLED)
 	$(PY) -m bench.scaling_bench $(ARGS)
 
-## What a Redis failover costs under Sentinel (~2 min): the replica wait's TTFT and the client-visible gap when the primary is killed or frozen; bench/results/failover.json.
+## What a Redis failover costs under Sentinel, then under Cluster (~2 min each): the replica wait's TTFT and the client-visible gap when the primary is killed or frozen; bench/results/failover.json and failover_cluster.json.
 bench-failover: $(BENCH_INSTALLED)
 	$(PY) -m bench.failover_bench $(ARGS)
+	$(PY) -m bench.failover_bench --topology cluster $(ARGS)
 
 ## The KV cache held by tokens against full-length slots, and a shared system prompt held once against copied (~4 min); bench/results/kv_layout.json.
 bench-kv: $(BENCH_INSTALLED)

@@ -23,9 +23,9 @@ class ApiSettings(CommonSettings):
     redis_replica_wait_ms: int = Field(
         default=500,
         ge=0,
-        description="Under Sentinel, how long accepting a job, a batch or a file waits for a replica to have it "
-        "(WAIT 1), so that a failover cannot lose it; past it the request is accepted anyway, with a warning. 0: "
-        "no wait.",
+        description="Under Sentinel or Cluster, how long accepting a job, a batch or a file waits for a replica to "
+        "have it (WAIT 1), so that a failover cannot lose it; past it the request is accepted anyway, with a "
+        "warning. 0: no wait.",
     )
     sse_ping_interval_s: float = Field(default=15.0, gt=0, description="SSE keep-alive comment period.")
     api_keys: str | None = Field(

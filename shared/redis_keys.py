@@ -1,7 +1,10 @@
 """Every Redis key and channel relaylm uses, built in one place, each with its TTL beside it.
 
 Everything lives under one configurable prefix so that several deployments can share a Redis.
-The job keys are read and written only through :mod:`shared.job_lifecycle`.
+In a Redis Cluster the prefix is a hash tag, ``{relaylm}``: every key and channel of a deployment
+hashes to one slot, so each script, transaction and pipeline stays on the one primary serving it,
+and its channels are shard channels (``SPUBLISH``/``SSUBSCRIBE``), which the cluster delivers on
+that shard alone. The job keys are read and written only through :mod:`shared.job_lifecycle`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,17 @@ class RedisKeys:
     """Key builder bound to one deployment prefix."""
 
     prefix: str = "relaylm"
+    sharded_channels: bool = False  # channels are shard channels (Redis Cluster)
+
+    @classmethod
+    def in_cluster(cls, prefix: str) -> RedisKeys:
+        """The keys of a deployment on a Redis Cluster: one hash tag, shard channels."""
+        return cls(f"{{{prefix}}}", sharded_channels=True)
+
+    @property
+    def publish_command(self) -> str:
+        """The command that publishes on this deployment's channels."""
+        return "SPUBLISH" if self.sharded_channels else "PUBLISH"
 
     # -- queues -----------------------------------------------------------------------------
     def queue(self, model: str) -> str:
@@ -57,7 +71,8 @@ class RedisKeys:
         return f"{self.prefix}:jobs:running"
 
     def replica_ack(self) -> str:
-        """A throw-away write that a ``WAIT`` for a replica follows (see shared.connection.ReplicaAck)."""
+        """Prefix of the throw-away markers (``<this>:<token>``, expiring after a minute) that a
+        ``WAIT`` for a replica follows (see shared.connection.ReplicaAck)."""
         return f"{self.prefix}:replica-ack"
 
     def owner_hash_secret(self) -> str:
@@ -101,6 +116,10 @@ class RedisKeys:
     def job_event_log(self, job_id: str) -> str:
         """Redis Stream with every event of the job (entry id ``<seq>-1``), beside the live channel."""
         return f"{self.prefix}:job:{job_id}:log"
+
+    def api_channel(self, instance: str) -> str:
+        """Pub/sub channel of one API process's own, which keeps its event subscription open."""
+        return f"{self.prefix}:api:{instance}"
 
     def cancel_channel(self) -> str:
         """Pub/sub channel every worker listens on for running jobs to abort."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.connection import RedisTarget, parse_addresses
@@ -30,25 +30,43 @@ class CommonSettings(BaseSettings):
     redis_sentinel_service: str = Field(
         default="mymaster", min_length=1, description="The primary's service name, as the sentinels know it."
     )
+    redis_cluster_nodes: str | None = Field(
+        default=None,
+        description="Redis Cluster nodes as host:port[,host:port...] (any that answer; the rest are "
+        "learned from them): every key shares the hash tag {<key prefix>}, so relaylm follows the "
+        "one primary serving its slot through failovers (--redis-url then gives only the password "
+        "and TLS; the database must be 0).",
+    )
     key_prefix: str = Field(
         default="relaylm", pattern=r"^[A-Za-z0-9_.\-]+$", description="Prefix of every relaylm key in Redis."
     )
 
     log_format: Literal["text", "json"] = Field(default="text", description="Log lines as text or as JSON objects.")
 
-    @field_validator("redis_sentinels")
+    @field_validator("redis_sentinels", "redis_cluster_nodes")
     @classmethod
-    def _sentinels_are_addresses(cls, value: str | None) -> str | None:
+    def _addresses(cls, value: str | None) -> str | None:
         if value is not None and value.strip():
             parse_addresses(value)
             return value
         return None
 
+    @model_validator(mode="after")
+    def _one_topology(self) -> CommonSettings:
+        if self.redis_sentinels and self.redis_cluster_nodes:
+            raise ValueError("give --redis-sentinels or --redis-cluster-nodes, not both")
+        if self.redis_cluster_nodes and self.redis_target.primary_options.get("db", 0) != 0:
+            raise ValueError("Redis Cluster has only database 0: --redis-url must not name another")
+        return self
+
     @property
     def redis_target(self) -> RedisTarget:
         sentinels = parse_addresses(self.redis_sentinels) if self.redis_sentinels else ()
-        return RedisTarget(self.redis_url, sentinels, self.redis_sentinel_service)
+        nodes = parse_addresses(self.redis_cluster_nodes) if self.redis_cluster_nodes else ()
+        return RedisTarget(self.redis_url, sentinels, self.redis_sentinel_service, nodes, self.key_prefix)
 
     @property
     def keys(self) -> RedisKeys:
+        if self.redis_cluster_nodes:
+            return RedisKeys.in_cluster(self.key_prefix)
         return RedisKeys(self.key_prefix)

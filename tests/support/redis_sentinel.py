@@ -101,26 +101,30 @@ class SentinelGroup:
         raise TimeoutError(f"no replica was promoted within {timeout_s} s")
 
     def wait_replica_of(self, server: Server, primary_port: int, timeout_s: float = 30.0) -> None:
-        """Until ``server`` replicates ``primary_port`` with its link up."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            client = server.client()
-            try:
-                info = client.info("replication")
-                following = info.get("role") == "slave" and int(info.get("master_port", 0)) == primary_port
-                if following and info.get("master_link_status") == "up":
-                    return
-            except redis.RedisError:
-                pass
-            finally:
-                client.close()
-            time.sleep(0.1)
-        raise TimeoutError(f"{server.name} did not become a replica of port {primary_port}")
+        wait_replica_of(server, primary_port, timeout_s)
 
     def stop(self) -> None:
         for server in [*self.sentinels, *self.servers]:
             server.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def wait_replica_of(server: Server, primary_port: int, timeout_s: float = 30.0) -> None:
+    """Until ``server`` replicates ``primary_port`` with its link up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        client = server.client()
+        try:
+            info = client.info("replication")
+            following = info.get("role") == "slave" and int(info.get("master_port", 0)) == primary_port
+            if following and info.get("master_link_status") == "up":
+                return
+        except redis.RedisError:
+            pass
+        finally:
+            client.close()
+        time.sleep(0.1)
+    raise TimeoutError(f"{server.name} did not become a replica of port {primary_port}")
 
 
 def _answering(port: int) -> bool:
@@ -133,7 +137,7 @@ def _answering(port: int) -> bool:
         client.close()
 
 
-def _start(binary: str, workdir: Path, name: str, args: list[str], port: int) -> Server:
+def start_server(binary: str, workdir: Path, name: str, args: list[str], port: int) -> Server:
     log = workdir / f"{name}.log"
     process = subprocess.Popen(
         [binary, *args, "--logfile", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -158,7 +162,7 @@ def start_sentinel_group(binary: str) -> SentinelGroup:
             args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(data)]
             if index == 1:
                 args += ["--replicaof", "127.0.0.1", str(group.servers[0].port)]
-            group.servers.append(_start(binary, group.workdir, name, args, port))
+            group.servers.append(start_server(binary, group.workdir, name, args, port))
         primary, replica = group.servers
         group.wait_replica_of(replica, primary.port)
         for index in range(3):
@@ -171,7 +175,8 @@ def start_sentinel_group(binary: str) -> SentinelGroup:
                 f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
                 f"sentinel parallel-syncs {SERVICE} 1\n"
             )
-            group.sentinels.append(_start(binary, group.workdir, f"sentinel{index}", [str(conf), "--sentinel"], port))
+            sentinel = start_server(binary, group.workdir, f"sentinel{index}", [str(conf), "--sentinel"], port)
+            group.sentinels.append(sentinel)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while group.primary_port() != primary.port or not _sentinels_see_the_replica(group):
             if time.monotonic() > deadline:

@@ -60,13 +60,16 @@ class Stack:
     redis_url: str
     log_dir: Path
     key_prefix: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
+    # Redis Cluster nodes (host:port,...): then the processes follow the primary serving the
+    # prefix's hash tag, and ``redis_url`` is where the test's own reads go.
+    cluster_nodes: str | None = None
     api: Process | None = None
     workers: list[Process] = field(default_factory=list)
     port: int = 0
 
     @property
     def keys(self) -> RedisKeys:
-        return RedisKeys(self.key_prefix)
+        return RedisKeys.in_cluster(self.key_prefix) if self.cluster_nodes else RedisKeys(self.key_prefix)
 
     @property
     def base_url(self) -> str:
@@ -76,6 +79,8 @@ class Stack:
         env = dict(os.environ)
         env.pop("REDIS_URL", None)
         env.update({"RELAYLM_REDIS_URL": self.redis_url, "RELAYLM_KEY_PREFIX": self.key_prefix})
+        if self.cluster_nodes:
+            env["RELAYLM_REDIS_CLUSTER_NODES"] = self.cluster_nodes
         env.update({f"RELAYLM_{name.upper()}": str(value) for name, value in settings.items()})
         env["PYTHONUNBUFFERED"] = "1"
         return env

@@ -24,9 +24,11 @@ _PRIMARY_CHECK_S = 2.0
 
 
 class ControlListener:
-    def __init__(self, redis: Redis, handlers: dict[str, Handler]) -> None:
+    def __init__(self, redis: Redis, handlers: dict[str, Handler], sharded: bool = False) -> None:
+        """``sharded``: the channels are shard channels (Redis Cluster)."""
         self._redis = redis
         self._handlers = handlers
+        self._sharded = sharded
         self._task: asyncio.Task[None] | None = None
         self._subscribed = asyncio.Event()
 
@@ -42,12 +44,15 @@ class ControlListener:
         while True:
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(*self._handlers)
+                if self._sharded:
+                    await pubsub.ssubscribe(*self._handlers)
+                else:
+                    await pubsub.subscribe(*self._handlers)
                 self._subscribed.set()
                 checked_at = asyncio.get_running_loop().time()
                 while True:
                     message = await pubsub.get_message(timeout=_READ_POLL_S)
-                    if message is not None and message["type"] == "message":
+                    if message is not None and message["type"] in ("message", "smessage"):
                         self._dispatch(message["channel"], message["data"])
                     if asyncio.get_running_loop().time() - checked_at > _PRIMARY_CHECK_S:
                         checked_at = asyncio.get_running_loop().time()

@@ -205,6 +205,7 @@ class WorkerProcess:
                 self.keys.queue_wake_channel(s.model_id): lambda _data: [c.wake() for c in consumers],
                 self.keys.cancel_channel(): lambda data: runner.cancel(data.decode()),
             },
+            sharded=self.keys.sharded_channels,
         )
         await listener.start()
         if isinstance(loaded, LoadedWhisper):
