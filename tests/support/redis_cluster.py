@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,9 +191,9 @@ def _replica_linked(server: Server) -> bool:
     return info.get("role") == "slave" and info.get("master_link_status") == "up"
 
 
-def _wait(condition: object, what: str) -> None:
+def _wait(condition: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + _START_TIMEOUT_S
-    while not condition():  # type: ignore[operator]
+    while not condition():
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.05)
