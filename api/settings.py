@@ -18,7 +18,10 @@ class ApiSettings(CommonSettings):
         default=1.0, gt=0, description="While a job is silent this long, check that its worker still lives."
     )
     no_worker_grace_s: float = Field(
-        default=3.0, ge=0, description="A queued job whose model has no live worker this long fails with 503."
+        default=3.0,
+        ge=0,
+        description="A queued job whose model has no ready worker this long (none, or all still loading) fails "
+        "with 503.",
     )
     redis_replica_wait_ms: int = Field(
         default=500,
@@ -26,6 +29,14 @@ class ApiSettings(CommonSettings):
         description="Under Sentinel or Cluster, how long accepting a job, a batch or a file waits for a replica to "
         "have it (WAIT 1), so that a failover cannot lose it; past it the request is accepted anyway, with a "
         "warning. 0: no wait.",
+    )
+    redis_failover_wait_s: float = Field(
+        default=45.0,
+        ge=0,
+        description="Under Sentinel or Cluster, how long an open stream waits for Redis to answer again (a "
+        "failover: the sentinels' down-after-milliseconds or the cluster-node-timeout, plus the election); once it "
+        "does, the stream reads what it missed from the job's log, past it the stream ends with redis_unavailable. "
+        "With one Redis a stream ends at once.",
     )
     sse_ping_interval_s: float = Field(default=15.0, gt=0, description="SSE keep-alive comment period.")
     api_keys: str | None = Field(

@@ -19,7 +19,10 @@ class WorkerInfo(BaseModel):
     )
     model: str
     task: WorkerTask = "generate"
-    state: WorkerState
+    state: WorkerState = Field(
+        description="loading (registered, its model not yet serving: it claims no job), ready, or draining "
+        "(after SIGTERM: it claims no job and finishes its running ones)."
+    )
     host: str
     pid: int
     started_at: float
@@ -51,14 +54,23 @@ class WorkerInfo(BaseModel):
         description="A request's text depends on the request alone here: exact kernels, and its load-time "
         "self-test (alone, batched, cached, other thread counts) passed.",
     )
+    english_only: bool = Field(
+        default=False,
+        description="A Whisper model that knows English alone: it cannot translate nor take another language "
+        "(records without it: the worker refuses such requests itself).",
+    )
 
 
 class ModelRecord(BaseModel):
-    """A model that some worker served; kept after its workers die so the API answers 503, not 404."""
+    """A model that some worker served; kept after its workers die so the API answers 503, not 404.
+
+    Its ready workers write it on every heartbeat; a loading or draining worker only creates it
+    when it is missing (the model is then known, and a request for it waits for a ready worker),
+    so ``last_seen``, ``max_model_len`` and ``vision`` are always what a ready worker said."""
 
     model: str
     first_seen: float
-    last_seen: float
+    last_seen: float = Field(description="The last heartbeat of a ready worker of the model (or its creation).")
     max_model_len: int = 0
     task: WorkerTask = "generate"
     vision: bool = Field(default=False, description="Its workers take images in chat messages.")

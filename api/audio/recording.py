@@ -103,14 +103,13 @@ class Recording:
             raise first.to_exception()
         return True
 
-    async def windows(self) -> AsyncIterator[SegmentEvent]:
-        """Every window's segments in order, folded into the transcript as they come; a
-        window's error is raised."""
+    async def windows(self) -> AsyncIterator[str]:
+        """Every window's segments in order, folded into the transcript as they come, each
+        yielding what it added to the transcript's text; a window's error is raised."""
         for index, stream in enumerate(self.streams):
             async for event in stream.events():
                 if isinstance(event, SegmentEvent):
-                    self.transcript.add_segment(self.offsets_s[index], event)
-                    yield event
+                    yield self.transcript.add_segment(self.offsets_s[index], event)
                 elif isinstance(event, TranscriptEvent):
                     self.transcript.add_summary(event)
                 elif isinstance(event, EndEvent):
@@ -127,9 +126,9 @@ class Recording:
 
     async def sse(self) -> AsyncIterator[dict[str, str]]:
         try:
-            async for segment in self.windows():
-                if segment.text:
-                    yield {"data": TranscriptionTextDeltaEvent(delta=segment.text).model_dump_json()}
+            async for added_text in self.windows():
+                if added_text:
+                    yield {"data": TranscriptionTextDeltaEvent(delta=added_text).model_dump_json()}
             yield {"data": self.transcript.as_done_event().model_dump_json()}
         except RelayError as exc:
             yield error_chunk(exc)

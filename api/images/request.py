@@ -20,15 +20,16 @@ from shared.errors import ErrorKind, RelayError
 async def load_images(request: Request, model: str, sources: Sequence[ImageSource]) -> JobImages:
     """The images of ``sources`` (the request's image parts, from the wire module's
     ``image_sources``), checked and ready for the job; nothing to do for a text-only request.
-    404/503 for a model not served, 400 naming the model for one that takes no images, 400 naming
-    the part for an image refused."""
+    404/503 for a model not served, 400 naming the model for one whose ready workers take no
+    images (while its workers all load, the one that claims the job decides), 400 naming the part
+    for an image refused."""
     if not sources:
         return NO_IMAGES
     state = request.app.state
     loader: ImageLoader = state.images
     directory: WorkerDirectory = state.directory
-    await directory.require_live_worker(model)
-    if not await directory.takes_images(model):
+    await directory.require_worker(model)
+    if await directory.refuses_images(model):
         raise loader.refuse("not_vision", f"The model `{model}` does not take image input.", "model")
     files: FileStore = state.files
     tenant = tenant_of(request)

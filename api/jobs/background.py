@@ -29,7 +29,7 @@ def job_summary(job: ChatJob, status: str) -> dict[str, Any]:
 async def submit_background(
     submitter: JobSubmitter, body: ChatCompletionRequest, request: Request, images: JobImages = NO_IMAGES
 ) -> dict[str, Any]:
-    await submitter.directory.require_live_worker(body.model)
+    await submitter.directory.require_worker(body.model)
     request_id = request.state.request_id
     tenant = tenant_of(request).owner
     log_unknown_fields(body, request_id)

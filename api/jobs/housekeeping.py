@@ -12,6 +12,10 @@ by a watching stream: otherwise a background job (or a resumable stream whose cl
 stay queued forever, its poller told "queued" each time. The grace is measured from times kept in
 Redis (the model's last heartbeat, the job's entry into its queue), so every API process agrees
 and a restart does not start it again.
+
+After Redis did not answer (an outage, a failover) no job is judged for one worker lease: the
+workers could not heartbeat meanwhile, so a lapsed heartbeat says nothing about them yet
+(:mod:`api.jobs.redis_outage`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from redis.exceptions import RedisError
 
 from api.jobs.background_results import BackgroundResults
 from api.jobs.orphans import OrphanAction, Orphans
+from api.jobs.redis_outage import RedisOutage
 from api.jobs.worker_directory import WorkerDirectory
 from shared.job_lifecycle import JobLifecycle, JobState
 from shared.tasks import cancel_and_wait
@@ -49,6 +54,7 @@ class Housekeeper:
         self._orphans = Orphans(lifecycle, directory, no_worker_grace_s)
         self._interval_s = interval_s
         self._no_worker_grace_s = no_worker_grace_s
+        self._outage = RedisOutage(failover_wait_s=0.0)  # only its settling: the sweep always tries again
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -68,18 +74,20 @@ class Housekeeper:
         running; with Redis away the rest would fail alike, so the sweep stops there. The next
         tick tries everything again."""
         steps: list[tuple[str, Callable[[], Awaitable[object]]]] = [
-            ("reaping orphans", self.reap_running),
-            ("failing unserved queued jobs", self.fail_unserved),
-            ("collecting background results", self._results.collect),
+            ("collecting background results", self._results.collect)
         ]
+        if not self._outage.is_settling:
+            steps[:0] = [("reaping orphans", self.reap_running), ("failing unserved queued jobs", self.fail_unserved)]
         for name, step in steps:
             try:
                 await step()
             except RedisError as exc:
+                self._outage.failed()
                 logger.warning("housekeeping: %s: Redis unavailable (%s); retrying", name, exc)
                 return
             except Exception:
                 logger.exception("housekeeping: %s failed; retrying", name)
+        self._outage.answered()
 
     async def reap_running(self) -> list[str]:
         """Settle the running jobs whose owner is gone (died, stopped heartbeating past its lease,

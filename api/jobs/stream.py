@@ -1,27 +1,35 @@
 """Read a job's events in order, and keep the job moving while it is silent.
 
-Events arrive on the job's pub/sub channel; the job's log fills whatever pub/sub dropped. While
-the job is silent the stream looks at the job's record once per ``liveness_check_interval_s``:
-events the log has and the channel lost are read back; a job no worker serves is settled by the
-orphan rule the housekeeper applies too (:mod:`api.jobs.orphans`), and when that ends the job its
-final event arrives like any other. The stream raises :class:`RelayError` only for what it alone
-can see (unreadable bytes on the channel, a gap the log cannot fill, Redis not answering); callers
-render it once, as an HTTP error before the response started or as a stream error event after.
+Events arrive on the job's pub/sub channel; the job's log fills whatever pub/sub dropped, and
+:class:`~api.jobs.event_cursor.EventCursor` hands them out in order, each once. While the job is
+silent the stream looks at the job's record once per ``liveness_check_interval_s``: events the
+log has and the channel lost are read back; a job no worker serves is settled by the orphan rule
+the housekeeper applies too (:mod:`api.jobs.orphans`), and when that ends the job its final
+event arrives like any other. When the event router subscribed again after a break (a Redis
+failover), the stream reads the log from its cursor on before it takes live events again; under
+Sentinel or Cluster it rides out Redis not answering while a failover may still name a new
+primary (:mod:`api.jobs.redis_outage`).
+
+The stream raises :class:`RelayError` only for what it alone can see (unreadable bytes on the
+channel, a gap the log cannot fill, the job's record gone, Redis not answering past the wait);
+callers render it once, as an HTTP error before the response started or as a stream error event
+after.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from api.jobs.event_router import EventRouter
+from api.jobs.event_cursor import EventCursor
+from api.jobs.event_router import ChannelItem, EventRouter, SubscriptionRenewed
 from api.jobs.orphans import Orphans
+from api.jobs.redis_outage import RedisOutage
 from api.jobs.worker_directory import WorkerDirectory
 from api.request_metrics import RequestObserver
 from api.settings import ApiSettings
@@ -59,7 +67,7 @@ class JobStream:
         self,
         services: StreamServices,
         job: AnyJob,
-        queue: asyncio.Queue[bytes],
+        queue: asyncio.Queue[ChannelItem],
         is_disconnected: DisconnectProbe | None,
         observer: RequestObserver,
         backlog: list[AnyEvent] | None = None,
@@ -74,9 +82,11 @@ class JobStream:
         self._queue = queue
         self._is_disconnected = is_disconnected
         self._observer = observer
-        self._expected_seq = next_seq
-        self._backlog: deque[AnyEvent] = deque(e for e in backlog or [] if e.seq >= next_seq)
-        self._orphans = Orphans(services.lifecycle, services.directory, services.settings.no_worker_grace_s)
+        self._cursor = EventCursor(next_seq)
+        self._cursor.take(backlog or [])
+        settings = services.settings
+        self._orphans = Orphans(services.lifecycle, services.directory, settings.no_worker_grace_s)
+        self._outage = RedisOutage(settings.redis_failover_wait_s if settings.redis_target.is_replicated else 0.0)
         self.is_finished = is_finished
         self._closed = False
         # The first event, still awaited when a stream started before its job did (see first_event).
@@ -155,31 +165,49 @@ class JobStream:
         log_transition(logger, event, self.job_id, self.job.request_id, **fields)
 
     async def _next_in_order(self) -> AnyEvent:
-        while True:
-            event = self._backlog.popleft() if self._backlog else await self._next_live()
-            if event.seq < self._expected_seq:
-                continue  # a duplicate
-            if event.seq > self._expected_seq:
-                await self._fill_gap(event)
-                continue
-            self._expected_seq += 1
-            if isinstance(event, EndEvent | ErrorEvent):
-                self.is_finished = True
-            return event
+        cursor = self._cursor
+        while (event := cursor.pop()) is None:
+            if not (cursor.missing and await self._fill_gap()):
+                cursor.take(await self._next_arrivals())
+        if isinstance(event, EndEvent | ErrorEvent):
+            self.is_finished = True
+        return event
 
-    async def _next_live(self) -> AnyEvent:
-        interval_s = self._services.settings.liveness_check_interval_s
-        while True:
-            try:
-                async with asyncio.timeout(interval_s):
-                    payload = await self._queue.get()
-            except TimeoutError:
-                missed = await self._check_silence()
-                if missed:
-                    self._backlog.extend(missed[1:])
-                    return missed[0]
-                continue
-            return self._decode(payload)
+    async def _next_arrivals(self) -> list[AnyEvent]:
+        """The next event off the channel; when the channel is silent, or was subscribed again
+        after a break, what the job's log has from the cursor on."""
+        try:
+            async with asyncio.timeout(self._services.settings.liveness_check_interval_s):
+                item = await self._queue.get()
+        except TimeoutError:
+            return await self._ride_out(self._check_silence) or []
+        if isinstance(item, SubscriptionRenewed):
+            self._outage.moved()
+            logged = await self._ride_out(self._read_log) or []
+            logger.info("job %s: subscribed again; %d events read from the log", self.job_id, len(logged))
+            return logged
+        return [self._decode(item)]
+
+    async def _ride_out(self, read: Callable[[], Awaitable[list[AnyEvent]]]) -> list[AnyEvent] | None:
+        """``read()``; None while Redis does not answer and a failover may still name a new
+        primary (the caller tries again at its next turn), RedisError once waiting is pointless."""
+        outage = self._outage
+        was_failing = outage.is_failing
+        try:
+            events = await read()
+        except RedisError as exc:
+            if not outage.failed():
+                raise
+            if not was_failing:
+                logger.warning("job %s: Redis is not answering (%s); waiting for a failover", self.job_id, exc)
+            return None
+        if was_failing:
+            logger.info("job %s: Redis answers again", self.job_id)
+        outage.answered()
+        return events
+
+    async def _read_log(self) -> list[AnyEvent]:
+        return await self._services.lifecycle.read_log(self.job_id, self._cursor.next_seq)
 
     def _decode(self, payload: bytes) -> AnyEvent:
         """Anything but an event on the job's channel ends the stream with an error: the bytes
@@ -194,17 +222,24 @@ class JobStream:
                 ErrorKind.EVENT_UNREADABLE, f"job {self.job_id} received bytes that are not an event"
             ) from None
 
-    async def _fill_gap(self, arrived: AnyEvent) -> None:
-        """Pub/sub is at-most-once: events it dropped are read back from the job's log."""
-        logged = await self._services.lifecycle.read_log(self.job_id, self._expected_seq)
-        missing = [e for e in logged if e.seq < arrived.seq]
-        if len(missing) < arrived.seq - self._expected_seq:
-            raise RelayError(
-                ErrorKind.STREAM_GAP,
-                f"events {self._expected_seq}..{arrived.seq - 1} of job {self.job_id} were lost in transit",
-            )
-        logger.info("job %s: %d events missed on pub/sub, read from the log", self.job_id, len(missing))
-        self._backlog.extendleft(reversed([*missing, arrived]))
+    async def _fill_gap(self) -> bool:
+        """Pub/sub is at-most-once: events it dropped are read back from the job's log. False
+        while the log cannot say yet: Redis is not answering, or a new primary is settling (its
+        log lacks a job's last events until the job's worker writes them again)."""
+        missing = self._cursor.missing
+        logged = await self._ride_out(self._read_log)
+        if logged is None:
+            return False
+        self._cursor.take(logged)
+        if not self._cursor.missing:
+            logger.info("job %s: %d events missed on pub/sub, read from the log", self.job_id, len(missing))
+            return True
+        if self._outage.is_settling:
+            return False
+        raise RelayError(
+            ErrorKind.STREAM_GAP,
+            f"events {missing.start}..{missing.stop - 1} of job {self.job_id} were lost in transit",
+        )
 
     async def _check_silence(self) -> list[AnyEvent]:
         """While the job is silent: is the client still there, did pub/sub lose events, and is
@@ -214,13 +249,17 @@ class JobStream:
         lifecycle = self._services.lifecycle
         record = await lifecycle.record(self.job_id)
         if record is None:
-            raise RelayError(ErrorKind.INTERNAL, f"job {self.job_id} is gone from Redis (restarted without its data?)")
-        if record.next_seq > self._expected_seq:
-            missed = await lifecycle.read_log(self.job_id, self._expected_seq)
+            raise RelayError(
+                ErrorKind.INTERNAL,
+                f"job {self.job_id} is gone from Redis (restarted without its data, or a failover lost it)",
+            )
+        if record.next_seq > self._cursor.next_seq:
+            missed = await self._read_log()
             if missed:
                 logger.info("job %s: %d events missed on pub/sub, read from the log", self.job_id, len(missed))
                 return missed
         if record.state.is_final:
             raise RelayError(ErrorKind.INTERNAL, f"job {self.job_id} ended ({record.state}) but its log lost the end")
-        await self._orphans.settle(record, "stream", self.job.request_id)
+        if not self._outage.is_settling:  # a heartbeat missed while Redis was away is no one's fault
+            await self._orphans.settle(record, "stream", self.job.request_id)
         return []

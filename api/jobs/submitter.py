@@ -88,7 +88,7 @@ class JobSubmitter:
         job names, by SHA-256."""
         arrived_at = time.monotonic() if arrived_at is None else arrived_at
         request_id, job_id, model = job.request_id, job.job_id, job.model
-        await self.directory.require_live_worker(model)
+        await self.directory.require_worker(model)
         observer = RequestObserver(self.metrics, model, arrived_at)
         channel = self.keys.job_events_channel(job_id)
         queue = await self.router.subscribe(channel)

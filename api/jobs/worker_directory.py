@@ -1,9 +1,11 @@
-"""Reads the worker registry: which models have live workers, and whether a given worker lives."""
+"""Reads the worker registry: which models have live (ready) or loading workers, and whether a
+given worker lives."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -15,22 +17,52 @@ from shared.redis_keys import MODEL_FORGET_AFTER_S, RedisKeys
 from shared.redis_replies import texts
 from shared.registry import ModelRecord, WorkerInfo
 
-# A positive answer is reused this long, so a busy API does not read the registry per request.
+# A reading with a ready worker is reused this long, so a busy API does not read the registry per request.
 LIVE_ANSWER_REUSE_S = 0.5
+
+
+@dataclass(frozen=True)
+class ModelWorkers:
+    """One reading of a model's workers. Live means ready: a loading worker claims no job yet, and a
+    draining one no new job."""
+
+    workers: tuple[WorkerInfo, ...] = ()
+
+    @property
+    def ready(self) -> list[WorkerInfo]:
+        return [worker for worker in self.workers if worker.state == "ready"]
+
+    @property
+    def loading(self) -> list[WorkerInfo]:
+        return [worker for worker in self.workers if worker.state == "loading"]
+
+    @property
+    def readable_version(self) -> int:
+        """The newest job contract version that every worker of the model reads (older during a
+        rolling upgrade); loading workers count, since they claim the model's jobs once ready."""
+        return min([CONTRACT_VERSION, *(worker.contract_version for worker in self.workers)])
+
+    @property
+    def refuses_images(self) -> bool:
+        """A ready worker says the model takes no images. A loading worker has not said yet: with
+        none ready nothing is refused here, and the worker that claims the job answers as any
+        ready worker does."""
+        ready = self.ready
+        return bool(ready) and not any(worker.vision for worker in ready)
 
 
 class WorkerDirectory:
     def __init__(self, redis: Redis, keys: RedisKeys) -> None:
         self._redis = redis
         self._keys = keys
-        self._live_cache: dict[str, float] = {}
+        # Model → (reusable until, a reading with a ready worker).
+        self._reusable: dict[str, tuple[float, ModelWorkers]] = {}
         # One registry read per model at a time: a burst of requests shares it instead of each
         # opening a Redis connection for the same answer.
-        self._live_lookups: dict[str, asyncio.Task[bool]] = {}
-        # Model → the newest job contract version all its live workers read, from the last lookup.
-        self._readable_versions: dict[str, int] = {}
+        self._lookups: dict[str, asyncio.Task[ModelWorkers]] = {}
 
-    async def live_workers(self, model: str) -> list[WorkerInfo]:
+    async def workers(self, model: str) -> list[WorkerInfo]:
+        """Every worker of ``model`` whose heartbeat has not expired, in any state."""
         ids = sorted(texts(await self._redis.smembers(self._keys.model_workers(model))))
         if not ids:
             return []
@@ -48,13 +80,12 @@ class WorkerDirectory:
         raw = await self._redis.hget(self._keys.models(), model)
         return ModelRecord.model_validate_json(raw) if raw is not None else None
 
-    async def takes_images(self, model: str) -> bool:
-        """Whether the model is a vision-language model (its workers say so in its record)."""
+    async def refuses_images(self, model: str) -> bool:
+        """Whether a ready worker of the model says it takes no images (see ``ModelWorkers``)."""
         try:
-            record = await self.model_record(model)
+            return (await self.model_workers(model)).refuses_images
         except RedisError as exc:
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
-        return record is not None and record.vision
 
     async def queue_depth(self, model: str) -> int:
         """Interactive jobs queued or running for the model (what its queue limit counts)."""
@@ -79,37 +110,43 @@ class WorkerDirectory:
             for record in records
         }
 
-    async def has_live_worker(self, model: str, fresh: bool = False) -> bool:
-        """``fresh``: read the registry now, not the answer reused for ``LIVE_ANSWER_REUSE_S``
+    async def model_workers(self, model: str, fresh: bool = False) -> ModelWorkers:
+        """``fresh``: read the registry now, not a reading reused for ``LIVE_ANSWER_REUSE_S``
         (deciding a job's fate must not trust a worker that died within the last half second)."""
-        now = time.monotonic()
-        if not fresh and self._live_cache.get(model, 0.0) > now:
-            return True
-        lookup = self._live_lookups.get(model)
+        reusable = self._reusable.get(model)
+        if not fresh and reusable is not None and reusable[0] > time.monotonic():
+            return reusable[1]
+        lookup = self._lookups.get(model)
         if lookup is None:
-            lookup = asyncio.create_task(self._look_up_live(model))
-            self._live_lookups[model] = lookup
-            lookup.add_done_callback(lambda _: self._live_lookups.pop(model, None))
+            lookup = asyncio.create_task(self._look_up(model))
+            self._lookups[model] = lookup
+            lookup.add_done_callback(lambda _: self._lookups.pop(model, None))
         # shield: one caller giving up (its client left) must not cancel the others' answer.
         return await asyncio.shield(lookup)
 
-    async def _look_up_live(self, model: str) -> bool:
-        workers = await self.live_workers(model)
-        if workers:
-            self._live_cache[model] = time.monotonic() + LIVE_ANSWER_REUSE_S
-            self._readable_versions[model] = min(min(w.contract_version for w in workers), CONTRACT_VERSION)
-        return bool(workers)
+    async def _look_up(self, model: str) -> ModelWorkers:
+        reading = ModelWorkers(tuple(await self.workers(model)))
+        if reading.ready:
+            self._reusable[model] = (time.monotonic() + LIVE_ANSWER_REUSE_S, reading)
+        else:
+            self._reusable.pop(model, None)  # a newer reading says no worker is ready
+        return reading
+
+    async def has_live_worker(self, model: str, fresh: bool = False) -> bool:
+        """A ready worker serves ``model`` (``fresh``: as ``model_workers``)."""
+        return bool((await self.model_workers(model, fresh)).ready)
 
     async def readable_version(self, model: str) -> int:
-        """The job contract version to write for ``model``: the newest that every live worker of
-        it reads (older during a rolling upgrade), read with the liveness answer."""
-        await self.has_live_worker(model)
-        return self._readable_versions.get(model, CONTRACT_VERSION)
+        """The job contract version to write for ``model`` (``ModelWorkers.readable_version``)."""
+        return (await self.model_workers(model)).readable_version
 
-    async def require_live_worker(self, model: str) -> None:
-        """404 for a model never served here, 503 for one whose workers are all gone."""
+    async def require_worker(self, model: str) -> None:
+        """404 for a model never served here, 503 for one with no ready or loading worker. A model
+        whose workers are all loading passes: its job waits queued for one to be ready, for the
+        no-worker grace at most (``api.jobs.orphans``), as every kind of request does."""
         try:
-            if await self.has_live_worker(model):
+            reading = await self.model_workers(model)
+            if reading.ready or reading.loading:
                 return
             raw = await self._redis.hget(self._keys.models(), model)
         except RedisError as exc:

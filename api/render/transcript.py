@@ -2,7 +2,10 @@
 
 Workers give each window's segments and words in the window's own time; here they move to the
 recording's time (plus the window's offset), segments are numbered across windows, and the text
-is the segments' text joined, as Whisper joins it."""
+is the segments' text joined, as Whisper joins it, without the whitespace around the whole.
+
+The text grows here alone, one segment at a time, and each segment's growth is what a stream
+sends as its delta: so the deltas joined are the final text, byte for byte, across windows too."""
 
 from __future__ import annotations
 
@@ -32,8 +35,12 @@ class Transcript:
     language: str | None = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0
+    text: str = field(default="", init=False)  # the segments' text joined, stripped; grown by add_segment alone
+    # Whitespace after the text so far: the text's end, unless more text follows it.
+    _held_space: str = field(default="", init=False, repr=False)
 
-    def add_segment(self, offset_s: float, event: SegmentEvent) -> TranscriptionSegment:
+    def add_segment(self, offset_s: float, event: SegmentEvent) -> str:
+        """Fold in a window's segment; returns what it adds to :attr:`text` (a stream's delta)."""
         segment = TranscriptionSegment(
             id=len(self.segments),
             seek=round(offset_s * 100),
@@ -51,7 +58,18 @@ class Transcript:
             self.words.append(
                 TranscriptionWord(word=word.word, start=_time(offset_s + word.start), end=_time(offset_s + word.end))
             )
-        return segment
+        return self._extend_text(event.text)
+
+    def _extend_text(self, piece: str) -> str:
+        """Whisper's segments start with a space; the text starts with none, and whitespace after
+        a segment waits until some text follows it (until then it may be the text's end)."""
+        pending = self._held_space + piece
+        if not self.text:
+            pending = pending.lstrip()
+        added = pending.rstrip()
+        self._held_space = pending[len(added) :]
+        self.text += added
+        return added
 
     def add_summary(self, event: TranscriptEvent) -> None:
         """The first window's language names the recording's."""
@@ -64,10 +82,6 @@ class Transcript:
     @property
     def is_translation(self) -> bool:
         return self.task == "translate"
-
-    @property
-    def text(self) -> str:
-        return "".join(segment.text for segment in self.segments).strip()
 
     @property
     def usage(self) -> UsageDuration:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from api.audio.decode import decode_audio_async
-from api.audio.form import audio_request, read_form
+from api.audio.form import AudioRequest, audio_request, read_form
 from api.audio.recording import Recording
 from api.jobs.stream import ClientDisconnected
 from api.jobs.submitter import JobSubmitter
@@ -87,7 +87,7 @@ async def _serve(request: Request, translate: bool) -> Response:
     finally:
         await form.close()
     arrived_at = time.monotonic()
-    await _require_transcription_model(submitter, body.model)
+    await _require_transcription_model(submitter, body)
     samples = await decode_audio_async(body.audio, settings.max_audio_seconds)
     run = Recording(submitter, body, samples, arrived_at)
     await run.submit(request)
@@ -125,12 +125,28 @@ def render(transcript: Transcript, response_format: str, with_words: bool) -> Re
     return JSONResponse(transcript.as_json().model_dump(exclude_none=True))
 
 
-async def _require_transcription_model(submitter: JobSubmitter, model: str) -> None:
-    """A live worker serves ``model`` (404/503 otherwise), and it transcribes."""
-    await submitter.directory.require_live_worker(model)
-    workers = await submitter.directory.live_workers(model)
+async def _require_transcription_model(submitter: JobSubmitter, body: AudioRequest) -> None:
+    """A live worker serves the model (404/503 otherwise), it transcribes, and it can do what is asked."""
+    model = body.model
+    await submitter.directory.require_worker(model)
+    workers = await submitter.directory.workers(model)
     tasks = {worker.task for worker in workers}
     if tasks and "transcribe" not in tasks:
         serves = "embeddings" if tasks == {"embed"} else "chat and text completions"
         message = f"Model `{model}` serves {serves}, not audio transcription."
         raise RelayError(ErrorKind.INVALID_REQUEST, message, "model")
+    # A loading worker has not said what its model knows yet; the worker that claims the job refuses the same.
+    ready = [worker for worker in workers if worker.task == "transcribe" and worker.state == "ready"]
+    if ready and all(worker.english_only for worker in ready):
+        _refuse_beyond_english(body)
+
+
+def _refuse_beyond_english(body: AudioRequest) -> None:
+    """An English-only model neither translates nor takes another language: refused here, before
+    any job exists (its workers refuse the same, for records that do not say)."""
+    if body.translate:
+        message = f"Model `{body.model}` is English-only; it cannot translate."
+        raise RelayError(ErrorKind.INVALID_REQUEST, message, "model")
+    if body.language not in (None, "en"):
+        message = f"Model `{body.model}` is English-only; the language must be `en`, not `{body.language}`."
+        raise RelayError(ErrorKind.INVALID_REQUEST, message, "language")

@@ -30,7 +30,7 @@ async def ready(request: Request, model: str | None = None) -> JSONResponse:
         models = [model] if model else [record.model for record in records]
         ready_models = {}
         for name in models:
-            workers = await directory.live_workers(name)
+            workers = await directory.workers(name)
             ready_models[name] = sum(worker.state == "ready" for worker in workers)
     except RedisError as exc:
         return JSONResponse({"status": "unavailable", "redis": f"unreachable: {exc}"}, status_code=503)

@@ -33,7 +33,7 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory) -> None:
     ):
         gauge.clear()
     for record in await directory.model_records():
-        workers = await directory.live_workers(record.model)
+        workers = await directory.workers(record.model)
         metrics.live_workers.labels(record.model).set(len(workers))
         metrics.queue_depth.labels(record.model).set(await directory.queue_depth(record.model))
         for worker in workers:

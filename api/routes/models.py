@@ -1,4 +1,4 @@
-"""``GET /v1/models``: the models that have at least one live worker."""
+"""``GET /v1/models``: the models that have at least one ready or loading worker."""
 
 from __future__ import annotations
 
@@ -10,21 +10,23 @@ from api.wire.openai.models import ModelCard, ModelList
 router = APIRouter()
 
 
-@router.get("/v1/models", response_model=ModelList, summary="List the models live workers serve")
+@router.get("/v1/models", response_model=ModelList, summary="List the models live or loading workers serve")
 async def list_models(request: Request) -> ModelList:
     directory: WorkerDirectory = request.app.state.directory
     cards = []
     for record in sorted(await directory.model_records(), key=lambda r: r.model):
-        workers = await directory.live_workers(record.model)
-        if workers:
+        reading = await directory.model_workers(record.model, fresh=True)
+        ready, loading = reading.ready, reading.loading
+        if ready or loading:
             cards.append(
                 ModelCard(
                     id=record.model,
                     created=int(record.first_seen),
                     max_model_len=record.max_model_len or None,
-                    num_live_workers=len(workers),
+                    num_live_workers=len(ready),
+                    num_loading_workers=len(loading),
                     task=record.task,
-                    deterministic=all(worker.deterministic for worker in workers),
+                    deterministic=bool(ready) and all(worker.deterministic for worker in ready),
                 )
             )
     return ModelList(data=cards)

@@ -111,7 +111,7 @@ async def _start_background(
         raise RelayError(ErrorKind.INVALID_REQUEST, "background responses must be stored (store=true)", "store")
     submitter: JobSubmitter = request.app.state.submitter
     tenant = tenant_of(request)
-    await submitter.directory.require_live_worker(chat.model)
+    await submitter.directory.require_worker(chat.model)
     # Resumable: a client that stops reading the stream leaves the job running.
     chat = chat.model_copy(update={"resumable": True, "stream": False, "stream_options": None})
     state = request.state

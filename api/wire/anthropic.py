@@ -36,6 +36,7 @@ from api.wire.openai.chat_request import (
     UserMessage,
 )
 from api.wire.openai.images import ImageLocator, ImageSource
+from api.wire.openai.json_schema import JsonSchema
 
 
 class _Wire(BaseModel):
@@ -129,7 +130,7 @@ class InputMessage(_Wire):
 class ToolSpec(_Wire):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: JsonSchema
 
 
 class ToolChoice(_Wire):

@@ -36,6 +36,7 @@ from api.wire.openai.chat_request import (
     UserMessage,
 )
 from api.wire.openai.images import ImageLocator, ImageSource
+from api.wire.openai.json_schema import JsonSchema
 
 
 class _Wire(BaseModel):
@@ -148,7 +149,7 @@ class FunctionTool(_Wire):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonSchema | None = None
     strict: bool | None = None
 
 
@@ -160,7 +161,7 @@ class NamedFunctionChoice(_Wire):
 class TextFormat(_Wire):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JsonSchema | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from api.render.transcript import Transcript
 from shared.events import SegmentEvent, TranscriptEvent, WordTiming
 
@@ -98,3 +100,21 @@ def test_the_stream_done_event_counts_tokens() -> None:
         "text": "Hello there. How are you? Fine.",
         "usage": {"type": "tokens", "input_tokens": 3, "output_tokens": 27, "total_tokens": 30},
     }
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [" Hello there.", " How are you?", " Fine."],  # Whisper's segments, each after a space
+        ["Hello", " there. ", " ", "Fine.  "],  # whitespace-only and trailing whitespace wait for more text
+        [" ", "  ", " One."],  # nothing before the first word
+        ["\n One.\t", "Two.", ""],
+        [" ", ""],  # silence: no text at all
+        [],
+    ],
+)
+def test_the_deltas_joined_are_the_final_text_byte_for_byte(pieces: list[str]) -> None:
+    transcript = Transcript("transcribe", duration_s=10.0)
+    deltas = [transcript.add_segment(float(i), _segment(0, 0.0, 1.0, piece)) for i, piece in enumerate(pieces)]
+    assert "".join(deltas) == transcript.text == transcript.as_done_event().text == "".join(pieces).strip()
+    assert transcript.as_json().model_dump()["text"] == transcript.text

@@ -66,8 +66,10 @@ class FakeWhisper:
         fail_window: int | None = None,
         delay_s: float = 0.0,
         is_claiming: bool = True,
+        english_only: bool = False,
     ) -> None:
-        """``is_claiming``: False: live, but it takes no job (they wait in the queue)."""
+        """``is_claiming``: False: live, but it takes no job (they wait in the queue);
+        ``english_only``: its registry record says so, as a worker of an English-only Whisper model's does."""
         self.stack, self.model, self.fail_window, self.delay_s = stack, model, fail_window, delay_s
         self.is_claiming = is_claiming
         self.worker_id = f"{stack.key_prefix}-{model}"
@@ -78,7 +80,7 @@ class FakeWhisper:
         now = time.time()
         info = WorkerInfo(
             worker_id=self.worker_id, model=model, task=task, state="ready", host="test", pid=1,
-            started_at=now, heartbeat_at=now, contract_version=2,
+            started_at=now, heartbeat_at=now, contract_version=2, english_only=english_only,
         )  # fmt: skip
         self._redis.set(stack.keys.worker(self.worker_id), info.model_dump_json(), ex=600)
         self._redis.sadd(stack.keys.model_workers(model), self.worker_id)
@@ -282,9 +284,10 @@ def test_the_stream_sends_a_delta_per_segment_then_done(audio_stack: Stack, whis
     client = openai.OpenAI(base_url=f"{audio_stack.base_url}/v1", api_key="unused", max_retries=0)
     events = list(client.audio.transcriptions.create(model=WHISPER, file=("a.wav", _wav(50.0)), stream=True))
     assert [e.type for e in events] == ["transcript.text.delta", "transcript.text.delta", "transcript.text.done"]
-    assert "".join(e.delta for e in events[:2] if e.type == "transcript.text.delta") == " Window 0. Window 1."
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    assert deltas == ["Window 0.", " Window 1."]  # the first segment's leading space is not part of the text
     done = events[-1]
-    assert done.type == "transcript.text.done" and done.text == "Window 0. Window 1."
+    assert done.type == "transcript.text.done" and done.text == "".join(deltas)
     assert done.usage is not None and done.usage.output_tokens == 6
 
 
@@ -297,6 +300,28 @@ def test_a_window_refused_by_the_worker_is_an_http_400(audio_stack: Stack) -> No
     assert "English-only" in str(error["message"])
     redis = sync_redis.Redis.from_url(audio_stack.redis_url)
     assert not any(redis.exists(audio_stack.keys.job_audio(job.job_id)) for job in refusing.jobs)
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "message"),
+    [
+        ("translations", {}, "model", f"Model `{WHISPER}` is English-only; it cannot translate."),
+        ("transcriptions", {"language": "de"}, "language",
+         f"Model `{WHISPER}` is English-only; the language must be `en`, not `de`."),
+    ],
+)  # fmt: skip
+def test_an_english_only_model_is_refused_by_the_api_before_any_job(
+    audio_stack: Stack, path: str, fields: dict[str, str], param: str, message: str
+) -> None:
+    english = FakeWhisper(audio_stack, WHISPER, "transcribe", english_only=True)
+    try:
+        error = _error(_post(audio_stack, fields, _wav(50.0), path=path), 400)
+        english_transcript = _post(audio_stack, {"language": "en"}, _wav(1.0))
+    finally:
+        english.stop()
+    assert (error["type"], error["param"], error["message"]) == ("invalid_request_error", param, message)
+    assert [job.request.translate for job in english.jobs] == [False]  # the English transcription alone
+    assert english_transcript.json()["text"] == "Window 0."
 
 
 def test_a_recording_takes_one_of_its_keys_request_slots(redis_url: str, tmp_path: Path) -> None:

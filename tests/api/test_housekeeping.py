@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,11 +19,13 @@ from api.jobs.background_results import BackgroundResults
 from api.jobs.detached import DetachedJobs
 from api.jobs.housekeeping import Housekeeper
 from api.jobs.worker_directory import WorkerDirectory
+from relaylm.redis_launcher import find_redis_server, start_redis
+from shared.connection import RedisTarget, connect_redis
 from shared.contract import ChatJob, Delivery, Generate, Message, encode_job
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, DeltaEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts, encode_event
 from shared.job_lifecycle import AppendRequest, Claim, EventAppender, JobLifecycle, JobState
-from shared.redis_keys import RedisKeys
+from shared.redis_keys import WORKER_HEARTBEAT_TTL_S, RedisKeys
 from shared.registry import ModelRecord, WorkerInfo
 
 MODEL = "m"
@@ -157,3 +160,41 @@ async def test_a_live_worker_keeps_queued_jobs_waiting(env: Env) -> None:
     await _queued(env, "j1")
     await env.housekeeper.tick()
     assert await _state(env, "j1") is JobState.QUEUED
+
+
+async def test_after_redis_did_not_answer_no_job_is_judged_for_a_lease() -> None:
+    # Redis frozen for a sweep: no worker could heartbeat meanwhile, so a lapsed heartbeat says
+    # nothing yet. The dead worker's job is requeued only once a lease passed after Redis answered.
+    binary = find_redis_server()
+    assert binary is not None
+    own = start_redis(binary)
+    assert own.process is not None
+    redis = connect_redis(RedisTarget(own.url))  # every command bounded by its timeout
+    keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
+    lifecycle = JobLifecycle(redis, keys)
+    directory = WorkerDirectory(redis, keys)
+    results = BackgroundResults(lifecycle, DetachedJobs(lifecycle, "reasoning_content"), retention_s=60)
+    housekeeper = Housekeeper(lifecycle, directory, results, interval_s=0.05, no_worker_grace_s=GRACE_S)
+    sync_client = sync_redis.Redis.from_url(own.url)
+    env = Env(redis, keys, lifecycle, EventAppender(sync_client, keys), housekeeper)
+    try:
+        await _register_worker(env, "survivor")
+        await _running_on_dead_worker(env, "j1")
+        own.process.send_signal(signal.SIGSTOP)
+        try:
+            await housekeeper.tick()  # times out: Redis does not answer
+        finally:
+            own.process.send_signal(signal.SIGCONT)
+        answered_at = time.monotonic()
+        await housekeeper.tick()
+        assert await _state(env, "j1") is JobState.RUNNING
+        async with asyncio.timeout(WORKER_HEARTBEAT_TTL_S + 5):
+            while await _state(env, "j1") is JobState.RUNNING:
+                await housekeeper.tick()
+                await asyncio.sleep(0.1)
+        assert time.monotonic() - answered_at >= WORKER_HEARTBEAT_TTL_S
+        assert await _state(env, "j1") is JobState.QUEUED
+    finally:
+        await redis.aclose()
+        sync_client.close()
+        own.stop()

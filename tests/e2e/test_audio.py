@@ -18,19 +18,25 @@ import openai
 import pytest
 import redis
 
+from api.wire.openai.audio import STREAM_FORMATS
 from tests.conftest import TINY_MODEL, make_stack
 from tests.support.audio import (
+    SAMPLE_RATE,
     espeak,
     librivox_clips,
     long_recording,
     missing_test_data,
+    read_wav,
     silence,
     word_errors,
 )
 from tests.support.stack import Stack
+from worker.audio.named import WHISPER_MODELS, assemble_whisper
+from worker.settings import WorkerSettings
 
 TINY_EN = "whisper-tiny.en"
 BASE = "whisper-base"
+AUDIO_WINDOW_S = 30
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,7 +50,7 @@ def audio_stack(redis_url: str, log_dir: Path, tiny_model_path: Path) -> Iterato
     worker on the tiny random model (for the wrong-task refusals)."""
     stack = make_stack(redis_url, log_dir)
     try:
-        stack.start_api(max_audio_seconds=120, audio_window_s=30)
+        stack.start_api(max_audio_seconds=120, audio_window_s=AUDIO_WINDOW_S)
         stack.start_worker(TINY_EN, TINY_EN, num_threads=1)
         stack.start_worker(BASE, BASE, num_threads=1)
         stack.start_worker(tiny_model_path, TINY_MODEL, dtype="float32", max_model_len=256)
@@ -110,17 +116,29 @@ def test_every_response_format(audio_stack: Stack) -> None:
     assert all(0 <= w.start <= w.end <= 7.2 for w in words)
 
 
-def test_stream_sends_text_as_it_is_made(audio_stack: Stack, recording: tuple[Path, str]) -> None:
+@pytest.mark.parametrize("response_format", STREAM_FORMATS)
+def test_stream_deltas_joined_are_the_done_text_and_the_answer_byte_for_byte(
+    audio_stack: Stack, recording: tuple[Path, str], response_format: str
+) -> None:
+    """A clip of one window, and a recording of several whose window joins are streamed too."""
     client = audio_stack.client()
-    path, _ = recording
-    expected = _transcribe(client, path).text  # type: ignore[attr-defined]
-    with path.open("rb") as audio:
-        stream = client.audio.transcriptions.create(model=TINY_EN, file=audio, stream=True)
-        events = list(stream)
-    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
-    done = [e for e in events if e.type == "transcript.text.done"]
-    assert len(deltas) > 3 and len(done) == 1
-    assert "".join(deltas).strip() == done[0].text.strip() == expected.strip()
+    long_path, _ = recording
+    assert len(read_wav(long_path)) / SAMPLE_RATE > 2 * AUDIO_WINDOW_S
+    for path in (librivox_clips()[3].path, long_path):
+        expected = _transcribe(client, path).text  # type: ignore[attr-defined]
+        with path.open("rb") as audio:
+            stream = client.audio.transcriptions.create(
+                model=TINY_EN,
+                file=audio,
+                stream=True,
+                response_format=response_format,  # type: ignore[arg-type]
+            )
+            events = list(stream)
+        deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+        done = [e.text for e in events if e.type == "transcript.text.done"]
+        assert deltas and len(done) == 1 and events[-1].type == "transcript.text.done"
+        assert "".join(deltas) == done[0] == expected, (path.name, deltas)
+    assert len(deltas) > 3
 
 
 def test_translation_of_spanish_speech_is_english(audio_stack: Stack, tmp_path: Path) -> None:
@@ -170,6 +188,35 @@ def test_bad_inputs_get_openai_shaped_errors(audio_stack: Stack, tmp_path: Path)
     assert "Dashwood" in _transcribe(client, librivox_clips()[0].path).text  # type: ignore[attr-defined]
 
 
+def test_an_english_only_model_refuses_translation_before_any_job(audio_stack: Stack, tmp_path: Path) -> None:
+    """The named model, and the same weights loaded as any CTranslate2 folder is: each worker's
+    registry record says English-only, so the API answers 400 and no worker picks a job."""
+    folder = tmp_path / "tiny-en-ct2"
+    folder.mkdir()
+    named = assemble_whisper(WHISPER_MODELS[TINY_EN], WorkerSettings().cache_dir)  # as the named worker wrote it
+    for file in named.iterdir():
+        (folder / file.name).symlink_to(file)
+    from_folder = audio_stack.start_worker(folder, "tiny-en-folder", num_threads=1)
+    client, clip = audio_stack.client(), librivox_clips()[0].path
+    try:
+        for model in (TINY_EN, "tiny-en-folder"):
+            worker_index = 0 if model == TINY_EN else audio_stack.workers.index(from_folder)
+            info = audio_stack.worker_info(f"{audio_stack.key_prefix}-worker{worker_index}")
+            assert info is not None and info.english_only, info
+            picked = [worker.log().count("picked") for worker in audio_stack.workers]
+            with pytest.raises(openai.BadRequestError) as refused, clip.open("rb") as audio:
+                client.audio.translations.create(model=model, file=audio)
+            error = _error(refused)
+            assert (error["type"], error["param"]) == ("invalid_request_error", "model")
+            assert error["message"] == f"Model `{model}` is English-only; it cannot translate."
+            assert [worker.log().count("picked") for worker in audio_stack.workers] == picked
+            assert "Dashwood" in _transcribe(client, clip, model).text  # type: ignore[attr-defined]
+        base = audio_stack.worker_info(f"{audio_stack.key_prefix}-worker1")
+        assert base is not None and base.model == BASE and not base.english_only
+    finally:
+        from_folder.stop()
+
+
 def test_two_workers_share_a_long_file_and_agree_with_one(audio_stack: Stack, recording: tuple[Path, str]) -> None:
     path, transcript = recording
     client = audio_stack.client()
@@ -208,10 +255,13 @@ def test_a_worker_killed_mid_file_changes_nothing(audio_stack: Stack, recording:
         while time.monotonic() < deadline:
             job_id = _running_window(audio_stack)
             if job_id is not None and audio_stack.job_owner(job_id) == victim_id:
-                time.sleep(0.3)  # into the window
-                victim.popen.send_signal(signal.SIGKILL)
-                killed.append(job_id)
-                return
+                # Held first, so the window is surely unfinished when it dies, however fast the CPU.
+                victim.popen.send_signal(signal.SIGSTOP)
+                if audio_stack.job_state(job_id) == "running" and audio_stack.job_owner(job_id) == victim_id:
+                    victim.popen.send_signal(signal.SIGKILL)
+                    killed.append(job_id)
+                    return
+                victim.popen.send_signal(signal.SIGCONT)  # that window ended meanwhile: wait for the next
             time.sleep(0.02)
 
     victim_id = f"{audio_stack.key_prefix}-worker{audio_stack.workers.index(victim)}"

@@ -4,6 +4,7 @@ worker SIGKILL mid-batch (every line exactly once), and a background job polled 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
@@ -18,7 +19,7 @@ import redis
 from openai.types import Batch
 
 from tests.conftest import make_stack
-from tests.support.stack import Stack
+from tests.support.stack import Process, Stack
 
 pytestmark = pytest.mark.slow
 MODEL = "batch-tiny"
@@ -192,6 +193,9 @@ def test_an_api_restart_mid_batch_loses_nothing(batch_stack: Stack) -> None:
 
     assert batch_stack.api is not None
     batch_stack.api.stop(signal.SIGKILL)
+    # Only an API process finishes a batch, and 16 lines a 0.2 s advance make this one take five
+    # advances or more: it was still running, however fast the engine.
+    assert _stored(batch_stack, created.id)["status"] == "in_progress"
     batch_stack.start_api(**API_SETTINGS)
     batch = _wait(client, created.id, _done)
 
@@ -212,7 +216,7 @@ def test_a_worker_killed_mid_batch_has_its_lines_run_again_exactly_once(
         created = _submit(client, [_line(f"w-{i}", max_tokens=160) for i in range(48)])
         _wait(client, created.id, lambda b: b.request_counts.completed >= 4)
 
-        stack.workers[0].stop(signal.SIGKILL)
+        _kill_while_it_runs_a_line(stack, stack.workers[0])
         batch = _wait(client, created.id, _done)
 
         assert batch.status == "completed", batch
@@ -223,6 +227,42 @@ def test_a_worker_killed_mid_batch_has_its_lines_run_again_exactly_once(
         assert "event=requeued" in stack.api.log()  # type: ignore[union-attr]
     finally:
         stack.stop()
+
+
+def _kill_while_it_runs_a_line(stack: Stack, victim: Process) -> None:
+    """SIGKILL ``victim`` at a moment it holds a running line, however fast the engine: every
+    worker is stopped while the running set is read, and the kill comes before they continue."""
+    victim_id = f"{stack.key_prefix}-worker{stack.workers.index(victim)}"
+    deadline = time.monotonic() + 60
+    while True:
+        with contextlib.ExitStack() as held:
+            for worker in stack.workers:
+                held.enter_context(worker.paused())
+            if victim_id in stack.running_jobs().values():
+                victim.stop(signal.SIGKILL)
+                return
+        assert time.monotonic() < deadline, f"{victim_id} never ran a line"
+        time.sleep(0.02)
+
+
+def _stored(stack: Stack, batch_id: str) -> dict[str, Any]:
+    """The batch's record as the API processes keep it in Redis."""
+    store = redis.Redis.from_url(stack.redis_url)
+    try:
+        return dict(json.loads(store.get(stack.keys.batch(batch_id))))  # type: ignore[arg-type]
+    finally:
+        store.close()
+
+
+def _unfinished_lines(stack: Stack, batch_id: str) -> int:
+    """Lines not yet enqueued, and enqueued lines whose job has not ended."""
+    store = redis.Redis.from_url(stack.redis_url)
+    try:
+        pending = int(store.llen(stack.keys.batch_pending(batch_id)))  # type: ignore[arg-type]
+        job_ids = [raw.decode() for raw in store.hvals(stack.keys.batch_running(batch_id))]  # type: ignore[union-attr]
+    finally:
+        store.close()
+    return pending + sum(stack.job_state(job_id) in ("queued", "running") for job_id in job_ids)
 
 
 def test_a_background_chat_job_is_polled_to_completion(batch_stack: Stack) -> None:
@@ -250,13 +290,15 @@ def test_a_background_chat_job_is_polled_to_completion(batch_stack: Stack) -> No
 
 def test_a_background_chat_job_can_be_cancelled(batch_stack: Stack) -> None:
     client = batch_stack.client()
-    created = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "a long one"}],
-        max_tokens=200,
-        extra_body={"background": True, "ignore_eos": True},
-    )
-    response = httpx.post(f"{batch_stack.base_url}/v1/chat/completions/{created.id}/cancel")
+    (worker,) = batch_stack.workers
+    with worker.paused():  # the job cannot end before the cancel, however fast the engine
+        created = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "a long one"}],
+            max_tokens=200,
+            extra_body={"background": True, "ignore_eos": True},
+        )
+        response = httpx.post(f"{batch_stack.base_url}/v1/chat/completions/{created.id}/cancel")
     assert response.status_code == 200 and response.json()["status"] == "cancelled"
     assert client.chat.completions.retrieve(created.id).status == "cancelled"  # type: ignore[attr-defined]
     with pytest.raises(openai.BadRequestError):
@@ -294,19 +336,24 @@ def test_a_batch_past_its_window_expires_and_reports_the_unfinished_lines(batch_
     created = _submit(client, [_line(f"x-{i}", max_tokens=120) for i in range(64)])
     _wait(client, created.id, lambda b: b.request_counts.completed >= 1)
 
-    # Move the deadline into the past, holding the batch's lock as an API process would.
-    store = redis.Redis.from_url(batch_stack.redis_url)
-    keys = batch_stack.keys
-    try:
-        while not store.set(keys.batch_lock(created.id), b"test", nx=True, px=5000):
-            time.sleep(0.01)
-        record = json.loads(store.get(keys.batch(created.id)))  # type: ignore[arg-type]
-        record["expires_at"] = int(time.time()) - 1
-        store.set(keys.batch(created.id), json.dumps(record))
-        store.delete(keys.batch_lock(created.id))
-    finally:
-        store.close()
-    batch = _wait(client, created.id, _done)
+    # The worker is held while the batch expires, so lines are left for it to report, however
+    # fast the engine.
+    (worker,) = batch_stack.workers
+    with worker.paused():
+        assert _unfinished_lines(batch_stack, created.id) > 0
+        # Move the deadline into the past, holding the batch's lock as an API process would.
+        store = redis.Redis.from_url(batch_stack.redis_url)
+        keys = batch_stack.keys
+        try:
+            while not store.set(keys.batch_lock(created.id), b"test", nx=True, px=5000):
+                time.sleep(0.01)
+            record = json.loads(store.get(keys.batch(created.id)))  # type: ignore[arg-type]
+            record["expires_at"] = int(time.time()) - 1
+            store.set(keys.batch(created.id), json.dumps(record))
+            store.delete(keys.batch_lock(created.id))
+        finally:
+            store.close()
+        batch = _wait(client, created.id, _done)
 
     assert batch.status == "expired" and batch.expired_at
     counts = batch.request_counts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -195,22 +197,71 @@ def test_context_length_exceeded_has_its_code(tiny_stack: Stack) -> None:
     assert raised.value.code == "context_length_exceeded"
 
 
+class _OnKeepAlive(httpx.BaseTransport):
+    """Passes responses on as they are; calls ``on_ping`` (when set) as a keep-alive comment goes by."""
+
+    def __init__(self) -> None:
+        self._inner = httpx.HTTPTransport()
+        self.on_ping: Callable[[], None] | None = None
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = self._inner.handle_request(request)
+        stream = _Watched(response.stream, self)  # type: ignore[arg-type]
+        return httpx.Response(
+            response.status_code, headers=response.headers, stream=stream, extensions=response.extensions
+        )
+
+
+class _Watched(httpx.SyncByteStream):
+    def __init__(self, inner: httpx.SyncByteStream, transport: _OnKeepAlive) -> None:
+        self._inner = inner
+        self._transport = transport
+
+    def __iter__(self) -> Iterator[bytes]:
+        tail = b""
+        for chunk in self._inner:
+            if b": keep-alive" in tail + chunk and self._transport.on_ping is not None:
+                self._transport.on_ping()
+            tail = chunk[-16:]
+            yield chunk
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 def test_keep_alive_pings_do_not_break_the_openai_client(redis_url: str, log_dir: Path, tiny_model_path: Path) -> None:
     # The SDK keeps the last SSE id; a standalone ping event after ids would reach it as empty JSON.
+    # So pings must come between a stream's events: its worker is held after the first token
+    # until one has, however fast the engine.
     stack = make_stack(redis_url, log_dir)
     try:
         stack.start_api(sse_ping_interval_s=0.01)
-        stack.start_worker(tiny_model_path, TINY_MODEL, dtype="float32", max_model_len=1024)
+        worker = stack.start_worker(tiny_model_path, TINY_MODEL, dtype="float32", max_model_len=1024)
         body = {"model": TINY_MODEL, "messages": MESSAGES, "max_tokens": 300, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=60) as response:
-            lines = list(response.iter_lines())
-        assert ": keep-alive" in lines
-        chunks = list(
-            stack.client().chat.completions.create(
-                **{k: v for k, v in body.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True}
-            )
-        )
-        assert chunks[-1].choices[0].finish_reason == "length"
+            lines = response.iter_lines()
+            assert any(line == "id: 1" for line in lines)  # read up to the first token
+            with worker.paused():
+                held = next(line for line in lines if line in (": keep-alive", "data: [DONE]"))
+            rest = list(lines)
+        assert held == ": keep-alive" and "data: [DONE]" in rest
+        watch = _OnKeepAlive()
+        client = stack.client(http_client=httpx.Client(transport=watch, timeout=60))
+        sdk_body = {k: v for k, v in body.items() if k != "ignore_eos"}
+        chunks = client.chat.completions.create(**sdk_body, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+        received = [next(chunks), next(chunks)]  # the role chunk, then the first token
+        resumed: list[bool] = []
+
+        def resume() -> None:
+            if not resumed:
+                worker.popen.send_signal(signal.SIGCONT)
+                resumed.append(True)
+
+        with worker.paused():
+            watch.on_ping = resume
+            received += list(chunks)
+        assert resumed, "no keep-alive came between the events"
+        assert received[-1].choices[0].finish_reason == "length"
     finally:
         stack.stop()
 

@@ -97,10 +97,15 @@ def test_a_killed_workers_stream_continues_byte_identical(
     client = default_stack.client()
     expected = client.chat.completions.create(**body).choices[0].message.content  # type: ignore[call-overload]
     received: list[str] = []
+    cut_short: list[bool] = []
     stream = client.chat.completions.create(**body, stream=True)  # type: ignore[call-overload]
     for chunk in stream:
         if chunk.choices:
             received.append(chunk.choices[0].delta.content or "")
-        if len(received) == 20:
-            default_stack.worker_of(chunk.id).popen.send_signal(signal.SIGKILL)
+        if len(received) == 20 and not cut_short:
+            victim = default_stack.worker_of(chunk.id)
+            victim.popen.send_signal(signal.SIGKILL)
+            victim.popen.wait()
+            cut_short.append(default_stack.job_state(chunk.id) in ("running", "queued"))  # a dead worker ends nothing
+    assert cut_short == [True], "the job ended before the kill"
     assert "".join(received) == expected

@@ -19,7 +19,8 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 
 from tests.conftest import make_stack
-from tests.support.stack import Process, Stack
+from tests.support.stack import Process, Stack, wait_until
+from worker.service.host_pool import REFRESH_INTERVAL_S
 from worker.service.thread_budget import available_cores
 from worker.settings import DEFAULT_MODEL
 
@@ -236,15 +237,19 @@ def test_a_killed_workers_stream_continues_as_the_undisturbed_one(
     body = {"model": DEFAULT_MODEL, "messages": ROME, **settings}
     expected = _stream(client, body)
     killed: list[Process] = []
+    cut_short: list[bool] = []
 
     def kill_the_serving_worker(count: int, chunk: ChatCompletionChunk) -> None:
         if count == KILL_AT_CHUNK:
             victim = stack.worker_of(chunk.id)
             victim.popen.send_signal(signal.SIGKILL)
             killed.append(victim)
+            victim.popen.wait(timeout=10)
+            cut_short.append(stack.job_state(chunk.id) in ("running", "queued"))  # a dead worker ends nothing
 
     got = _stream(client, body, kill_the_serving_worker)
     assert killed and killed[0].popen.wait(timeout=10) == -signal.SIGKILL, "the stream ended before the kill"
+    assert cut_short == [True], "the job ended before the kill"
     assert got == expected, _first_difference(expected, got)
 
 
@@ -263,6 +268,11 @@ def _thread_counts(worker: Process) -> list[int]:
 
 def _picked(worker: Process) -> int:
     return worker.log().count("event=picked")
+
+
+def _num_jobs(stack: Stack, worker: Process) -> int:
+    info = stack.worker_info(f"{stack.key_prefix}-worker{stack.workers.index(worker)}")
+    return info.num_jobs if info is not None else 0
 
 
 def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
@@ -321,7 +331,15 @@ def test_a_streams_text_is_the_same_when_its_worker_drops_to_fewer_threads_mid_s
 
         def load_b_then_watch_a(count: int, _chunk: ChatCompletionChunk) -> None:
             if count == 10:
-                neighbour.append(pool.submit(client.chat.completions.create, **neighbour_body))
+                # A is held until B has taken the neighbour's request and its registry record
+                # says so, and past A's registry refresh period: A reads that B is busy as soon
+                # as it continues, with most of its stream still to come, however fast the engine.
+                with a.paused():
+                    held_at = time.monotonic()
+                    neighbour.append(pool.submit(client.chat.completions.create, **neighbour_body))
+                    wait_until(lambda: _picked(b) == picked_b + 1, "B never took the neighbour's request")
+                    wait_until(lambda: _num_jobs(pooled_pair, b) > 0, "B's registry record never said it was busy")
+                    time.sleep(max(0.0, held_at + REFRESH_INTERVAL_S - time.monotonic()))
             elif count > 10 and not dropped_at and cores // 2 in _thread_counts(a)[changes:]:
                 dropped_at.append(count)
 

@@ -6,15 +6,16 @@ import asyncio
 import base64
 import math
 import struct
-import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
+import redis
 
 from tests.conftest import TINY_MODEL, make_stack
-from tests.support.stack import Stack
+from tests.support.stack import Stack, wait_until
 from worker.embedding.loader import DEFAULT_EMBEDDING_MODEL
 
 EMBED = "minilm"
@@ -69,14 +70,29 @@ def test_token_id_inputs_and_dimensions(embed_stack: Stack) -> None:
     assert too_long.value.code == "context_length_exceeded"
 
 
+def _num_queued(stack: Stack, model: str) -> int:
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        return int(client.zcard(stack.keys.queue(model)))
+    finally:
+        client.close()
+
+
 def test_concurrent_requests_are_micro_batched(embed_stack: Stack) -> None:
     async def burst() -> None:
         client = openai.AsyncOpenAI(base_url=f"{embed_stack.base_url}/v1", api_key="x", max_retries=0)
         await asyncio.gather(*(client.embeddings.create(model=EMBED, input=f"sentence {i}") for i in range(24)))
         await client.close()
 
-    asyncio.run(burst())
-    time.sleep(0.2)
+    # All 24 are queued before the worker takes any, so they meet in its batches however fast it
+    # embeds (one by one, each could be done before the next came). Each batch is logged before
+    # its answers are sent.
+    embedder = embed_stack.workers[0]
+    with ThreadPoolExecutor(1) as pool:
+        with embedder.paused():
+            sent = pool.submit(asyncio.run, burst())
+            wait_until(lambda: _num_queued(embed_stack, EMBED) == 24, "the 24 requests were never all queued")
+        sent.result()
     batches = [line for line in embed_stack.workers[0].log().splitlines() if "embedding batch:" in line]
     sizes = [int(line.split("embedding batch: ")[1].split(" requests")[0]) for line in batches]
     assert max(sizes) > 1, sizes

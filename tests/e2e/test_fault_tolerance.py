@@ -17,7 +17,7 @@ import redis
 from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.conftest import make_stack
 from tests.e2e.conftest import TWO_WORKER_MODEL
-from tests.support.stack import Stack, free_port
+from tests.support.stack import START_TIMEOUT_S, Stack, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = TWO_WORKER_MODEL
@@ -107,9 +107,13 @@ def test_sigterm_drains_a_worker_and_the_api_lets_open_streams_finish(two_worker
         _, first = next(events)
         job_id = json.loads(first)["id"]
         worker = two_workers.worker_of(job_id)
-        worker.popen.send_signal(signal.SIGTERM)
         assert two_workers.api is not None
-        two_workers.api.popen.send_signal(signal.SIGTERM)
+        # However fast the CPU, the stream is still open when both processes are told to stop:
+        # its worker is held until the API has begun draining.
+        with worker.paused():
+            worker.popen.send_signal(signal.SIGTERM)
+            two_workers.api.popen.send_signal(signal.SIGTERM)
+            wait_until(lambda: _is_draining(two_workers.base_url), "the API never began draining")
         rest = [data for _, data in events]
     assert rest[-1] == "[DONE]" and not any(d.startswith('{"error"') for d in rest)
     assert worker.popen.wait(timeout=30) == 0
@@ -121,6 +125,11 @@ def test_sigterm_drains_a_worker_and_the_api_lets_open_streams_finish(two_worker
     assert status in (0, -signal.SIGTERM)
     assert "Finished server process" in two_workers.api.log()
     assert "draining" in worker.log()
+
+
+def _is_draining(base_url: str) -> bool:
+    """A draining API answers a new request 503 (the signal is handled asynchronously)."""
+    return httpx.get(f"{base_url}/v1/models", timeout=5).status_code == 503
 
 
 def test_two_workers_share_the_load(redis_url: str, log_dir: Path, tiny_model_path: Path) -> None:
@@ -243,10 +252,8 @@ def test_a_worker_started_before_redis_waits_for_it_then_serves(log_dir: Path, t
     handle = None
     try:
         worker = stack.start_worker(tiny_model_path, MODEL, wait=False, dtype="float32", max_model_len=256)
-        deadline = time.monotonic() + 30
-        while "does not answer" not in worker.log() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert worker.is_running() and "does not answer" in worker.log()
+        wait_until(lambda: "does not answer" in worker.log(), "no word that Redis does not answer", START_TIMEOUT_S)
+        assert worker.is_running()
         handle = start_redis(binary, port=port)
         stack.start_api()
         stack.wait_ready(worker, MODEL)
@@ -267,7 +274,7 @@ def test_a_worker_that_redis_refuses_exits_at_once_with_the_reason(
     admin.close()
     stack = make_stack(f"redis://:wrong-password@127.0.0.1:{port}/0", log_dir)
     worker = stack.start_worker(tiny_model_path, MODEL, wait=False, dtype="float32")
-    assert worker.popen.wait(timeout=60) != 0
+    assert worker.popen.wait(timeout=START_TIMEOUT_S) != 0  # before it loads the model: its imports are the wait
     log = worker.log()
     assert "refused the connection" in log and "wrong-password" not in log
     assert "Traceback" not in log

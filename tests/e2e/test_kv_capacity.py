@@ -8,15 +8,17 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import make_stack
 from tests.support.sse_load import run_load
-from tests.support.stack import Stack
+from tests.support.stack import Stack, wait_until
 
 MODEL = "tiny-kv"
 MAX_LEN = 1024
@@ -49,6 +51,14 @@ def _gauges(stack: Stack) -> dict[str, float]:
     }
 
 
+def _num_queued(stack: Stack) -> int:
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        return int(client.zcard(stack.keys.queue(MODEL)))
+    finally:
+        client.close()
+
+
 def test_64_streams_run_at_once_and_outgrowing_the_budget_preempts_without_failing_any(kv_stack: Stack) -> None:
     peaks = {"relaylm:num_requests_running": 0.0, "relaylm:kv_cache_usage_perc": 0.0}
     stop = threading.Event()
@@ -67,8 +77,15 @@ def test_64_streams_run_at_once_and_outgrowing_the_budget_preempts_without_faili
         "model": MODEL, "messages": [{"role": "user", "content": "count"}], "max_tokens": 180,
         "ignore_eos": True, "stream": True,
     }  # fmt: skip
+    (worker,) = kv_stack.workers
     try:
-        tally = asyncio.run(run_load(kv_stack.base_url, body, 64, 120, 1, request_timeout_s=120))
+        with ThreadPoolExecutor(1) as pool:
+            # All 64 are queued before the worker takes any, so they run at once however fast the
+            # engine is (one by one, each could end before the last one came).
+            with worker.paused():
+                load = pool.submit(asyncio.run, run_load(kv_stack.base_url, body, 64, 120, 1, request_timeout_s=120))
+                wait_until(lambda: _num_queued(kv_stack) == 64, "the 64 streams were never all queued")
+            tally = load.result()
     finally:
         stop.set()
         watcher.join()

@@ -7,13 +7,16 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import make_stack
 from tests.support.sse_load import run_load
-from tests.support.stack import Stack
+from tests.support.stack import Stack, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "load-tiny"
@@ -39,7 +42,8 @@ def load_stack(redis_url: str, log_dir: Path, tiny_model_path: Path) -> Iterator
 
 def test_200_streams_lose_and_repeat_nothing(load_stack: Stack) -> None:
     # 200 clients, but the queue admits 120 at a time: the rest back off on 429 and come again.
-    tally = asyncio.run(run_load(load_stack.base_url, BODY, num_clients=200, duration_s=20, max_requests_per_client=3))
+    # Each client makes 3 requests at most; the deadline only bounds a host too slow for that.
+    tally = asyncio.run(run_load(load_stack.base_url, BODY, num_clients=200, duration_s=120, max_requests_per_client=3))
     assert tally.completed_streams >= 200
     assert tally.lost == 0 and tally.duplicated == 0
     assert tally.deltas >= 200 * 16
@@ -48,16 +52,33 @@ def test_200_streams_lose_and_repeat_nothing(load_stack: Stack) -> None:
 
 
 def test_overload_gets_only_429s_and_nothing_hangs(load_stack: Stack) -> None:
-    tally = asyncio.run(
-        run_load(
-            load_stack.base_url, BODY, num_clients=400, duration_s=30, max_requests_per_client=1, request_timeout_s=30
-        )
+    # The worker is held until the queue has turned a request away: however fast the engine, it
+    # cannot keep the queue under its limit while the 400 requests come in.
+    (worker,) = load_stack.workers
+    load = run_load(
+        load_stack.base_url, BODY, num_clients=400, duration_s=30, max_requests_per_client=1, request_timeout_s=30
     )
+    with ThreadPoolExecutor(1) as pool:
+        with worker.paused():
+            running = pool.submit(asyncio.run, load)
+            wait_until(lambda: _num_refused(load_stack) > 0, "the queue never turned a request away")
+        tally = running.result()
     assert tally.requests == 400
     assert tally.statuses[429] > 0
     assert set(tally.statuses) == {200, 429}
     assert tally.completed_streams == tally.statuses[200]  # every admitted stream ended with [DONE]
     assert not tally.errors  # no timeouts, no stream errors
+
+
+def _num_refused(stack: Stack) -> float:
+    """Requests the API answered 429 because the model's queue was full."""
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "relaylm:request_failure_total" and sample.labels.get("code") == "queue_full"
+    )
 
 
 def test_an_idle_keep_alive_connection_outlives_the_client_pool_expiry(load_stack: Stack) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pickle
@@ -15,7 +16,7 @@ import redis
 
 from shared.job_lifecycle import JobLifecycle
 from tests.conftest import TINY_MODEL
-from tests.support.stack import Stack
+from tests.support.stack import SETTLE_TIMEOUT_S, Stack
 
 
 class _Exploit:
@@ -26,7 +27,7 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _wait_for_log(stack: Stack, text: str, timeout_s: float = 10.0) -> bool:
+def _wait_for_log(stack: Stack, text: str, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if text in stack.workers[0].log():
@@ -64,11 +65,16 @@ def test_a_pickle_published_on_a_jobs_channel_ends_its_stream_and_runs_nothing(
         "max_tokens": 400, "ignore_eos": True,
     }  # fmt: skip
     data: list[str] = []
-    with httpx.stream("POST", f"{tiny_stack.base_url}/v1/chat/completions", json=body, timeout=30) as response:
+    (worker,) = tiny_stack.workers
+    url = f"{tiny_stack.base_url}/v1/chat/completions"
+    with contextlib.ExitStack() as held, httpx.stream("POST", url, json=body, timeout=30) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):
                 data.append(line[6:])
                 if len(data) == 2:
+                    # The worker is held, so the planted message comes before the job's end
+                    # however fast the CPU.
+                    held.enter_context(worker.paused())
                     job_id = json.loads(data[-1])["id"]
                     client = redis.Redis.from_url(tiny_stack.redis_url)
                     client.publish(tiny_stack.keys.job_events_channel(job_id), pickle.dumps(_Exploit(marker)))

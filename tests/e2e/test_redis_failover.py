@@ -1,5 +1,6 @@
 """Redis under Sentinel: the primary is killed, or frozen, while a stream, a 500-line batch and
-a background response run, and a replica is promoted. Real redis-server processes on loopback
+a background response run, and a replica is promoted: the stream ends with its complete text.
+A stream whose job the failover lost ends with an error. Real redis-server processes on loopback
 (one primary, one replica, three sentinels), real API and worker processes, the official SDK.
 What must hold is in :mod:`tests.support.failover`."""
 
@@ -19,7 +20,7 @@ from redis import exceptions as redis_errors
 from relaylm.redis_launcher import find_redis_server
 from shared.connection import RedisTarget, ReplicaAck, connect_redis, parse_addresses
 from tests.conftest import make_stack
-from tests.support.failover import MODEL, chat, run_failover, serve_and_chat
+from tests.support.failover import MODEL, chat, run_failover, run_lost_job, serve_and_chat
 from tests.support.redis_sentinel import SERVICE, SentinelGroup, start_sentinel_group
 from tests.support.stack import Stack
 
@@ -63,6 +64,12 @@ def test_the_primary_frozen_until_the_sentinels_fail_over_then_thawed(
     failover_stack: Stack, sentinel_group: SentinelGroup
 ) -> None:
     run_failover(failover_stack, sentinel_group, signal.SIGSTOP)
+
+
+def test_a_stream_whose_job_the_failover_lost_ends_with_an_error(
+    failover_stack: Stack, sentinel_group: SentinelGroup
+) -> None:
+    run_lost_job(failover_stack, sentinel_group)
 
 
 def test_an_accepted_job_waited_for_its_replica(failover_stack: Stack, sentinel_group: SentinelGroup) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import make_stack
 from tests.support.qwen import tiny_random_qwen3_dir
-from tests.support.stack import Stack
+from tests.support.stack import Stack, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -172,9 +172,11 @@ def test_a_background_response_is_polled_replayed_and_cancelled(responses_stack:
     replay = list(client.responses.retrieve(queued.id, stream=True, starting_after=2))
     assert replay[0].sequence_number == 3 and replay[-1].type in ("response.completed", "response.incomplete")
     assert "".join(e.delta for e in replay if e.type == "response.output_text.delta") in done.output_text
-    # A long one is cancelled; cancelling again answers the same.
-    long = client.responses.create(model=MODEL, input="go on", background=True, max_output_tokens=900)
-    cancelled = client.responses.cancel(long.id)
+    # A long one is cancelled; cancelling again answers the same. The worker is held meanwhile:
+    # however fast the engine, the response cannot end before the cancel.
+    with responses_stack.workers[-1].paused():
+        long = client.responses.create(model=MODEL, input="go on", background=True, max_output_tokens=900)
+        cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled" and client.responses.cancel(long.id).status == "cancelled"
     with pytest.raises(openai.NotFoundError):
         _client(responses_stack, KEY_B).responses.cancel(long.id)
@@ -194,19 +196,22 @@ def test_unsupported_requests_are_400s_naming_the_field(responses_stack: Stack) 
 
 
 def test_a_background_response_survives_its_worker_being_killed(responses_stack: Stack) -> None:
-    # Last in the module: it kills the module's worker and starts another.
+    # Last in the module: a second worker joins, and the one that runs the response is killed.
+    # The second starts first: a start (seconds, more on a loaded host) would outlast the API's
+    # patience with a job whose model has no live worker.
+    responses_stack.start_worker(tiny_random_qwen3_dir("qwen3"), MODEL, dtype="float32", max_model_len=1024)
     client = _client(responses_stack)
     request: Any = {
         "model": MODEL, "input": "go on", "max_output_tokens": 400, "temperature": 0, "reasoning": NO_THINKING
     }  # fmt: skip
     undisturbed = client.responses.create(**request)
     response = client.responses.create(**request, background=True)
-    deadline = time.monotonic() + 30
-    while responses_stack.job_owner(response.id.removeprefix("resp_")) is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    responses_stack.worker_of(response.id.removeprefix("resp_")).popen.send_signal(signal.SIGKILL)
-    responses_stack.start_worker(tiny_random_qwen3_dir("qwen3"), MODEL, dtype="float32", max_model_len=1024)
+    job_id = response.id.removeprefix("resp_")
+    wait_until(lambda: responses_stack.job_owner(job_id) is not None, "no worker took the response")
+    victim = responses_stack.worker_of(job_id)
+    victim.popen.send_signal(signal.SIGKILL)
+    victim.popen.wait()
+    assert responses_stack.job_state(job_id) in ("running", "queued"), "the response ended before the kill"
     done = _wait_for(client, response.id, ("completed", "incomplete", "failed"))
     assert done.status == undisturbed.status, done.error
     assert done.output_text == undisturbed.output_text  # continued from the tokens already sent

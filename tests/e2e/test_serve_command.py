@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from relaylm.supervisor import RestartBackoff, describe_exit
-from tests.support.stack import free_port
+from tests.support.stack import START_TIMEOUT_S, free_port
 from worker.embedding.loader import DEFAULT_EMBEDDING_MODEL
 from worker.native.compiled_decode import can_compile
 from worker.settings import DEFAULT_MODEL
@@ -23,7 +23,10 @@ from worker.settings import DEFAULT_MODEL
 pytestmark = pytest.mark.slow
 
 
-def _wait_for(path: Path, text: str, process: subprocess.Popen[bytes], timeout_s: float = 120, count: int = 1) -> str:
+def _wait_for(
+    path: Path, text: str, process: subprocess.Popen[bytes], timeout_s: float = START_TIMEOUT_S, count: int = 1
+) -> str:
+    """The log once ``text`` is in it ``count`` times; the default wait is a worker's start."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         log = path.read_text(errors="replace")
@@ -126,7 +129,7 @@ def test_serve_restarts_a_killed_worker_while_the_api_keeps_serving(tiny_model_p
         log = _wait_for(log_path, "relaylm serve: the worker for tiny restarted", process, timeout_s=30)
         reason = "the worker for tiny exited with code -9 (killed by SIGKILL); restarting in 1.0 s (restart 1)"
         assert f"relaylm serve: {reason}" in log
-        _wait_for(log_path, "relaylm serve: ready", process, timeout_s=60, count=2)
+        _wait_for(log_path, "relaylm serve: ready", process, count=2)  # the new worker started
         assert _chat(api_port) in ("stop", "length")
         assert _child(process, "api").pid == api.pid and api.is_running()
         assert _child(process, "worker").pid != worker.pid
@@ -148,7 +151,7 @@ def test_serve_without_a_model_serves_chat_and_embeddings_and_restarts_each_work
     light = ["--deterministic", "off", "--compile-decode", "off", "--max-model-len", "512"]
     process = _start_serve(log_path, api_port, redis_port, "--cache-dir", cache_dir, *light)
     try:
-        log = _wait_for(log_path, "relaylm serve: ready", process, timeout_s=180, count=2)
+        log = _wait_for(log_path, "relaylm serve: ready", process, count=2)
         for model in (DEFAULT_MODEL, DEFAULT_EMBEDDING_MODEL):
             assert f"  Worker  model {model}  (pid {_child(process, 'worker', model).pid}; loading…)" in log
         assert f"relaylm serve: ready — model '{DEFAULT_MODEL}' (generate)" in log
@@ -165,7 +168,7 @@ def test_serve_without_a_model_serves_chat_and_embeddings_and_restarts_each_work
         reason = f"the worker for {DEFAULT_EMBEDDING_MODEL} exited with code -9 (killed by SIGKILL)"
         assert f"relaylm serve: {reason}; restarting in 1.0 s (restart 1)" in log
         ready_again = f"relaylm serve: ready — model '{DEFAULT_EMBEDDING_MODEL}' (embed)"
-        _wait_for(log_path, ready_again, process, timeout_s=60, count=2)
+        _wait_for(log_path, ready_again, process, count=2)
         assert _embedding_size(api_port) == 384
         assert _chat(api_port, DEFAULT_MODEL) in ("stop", "length")
         assert _child(process, "worker", DEFAULT_MODEL).pid == chat_worker.pid

@@ -235,8 +235,12 @@ def test_an_image_request_continues_on_the_other_worker_when_its_worker_is_kille
                 continue
             chunks.append(line[6:])
             if len(chunks) == 5:
-                killed = stack.worker_of(json.loads(line[6:])["id"])
+                job_id = json.loads(line[6:])["id"]
+                killed = stack.worker_of(job_id)
                 killed.popen.send_signal(signal.SIGKILL)
+                killed.popen.wait()
+                # A dead worker ends nothing: the job was cut short, not already done.
+                assert stack.job_state(job_id) in ("running", "queued"), "the job ended before the kill"
     assert killed is not None and chunks[-1] == "[DONE]"
     parsed = [json.loads(chunk) for chunk in chunks[:-1]]
     assert not any("error" in chunk for chunk in parsed)

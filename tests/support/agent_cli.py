@@ -75,6 +75,9 @@ def run_qwen_code(
     (home / ".qwen").mkdir(parents=True, exist_ok=True)
     (home / ".qwen" / "settings.json").write_text(json.dumps(SETTINGS))
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "NO_COLOR": "1", "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"}
+    # The CLI drops a stream that sends no token for 240 s; a cold 16k-token prefill on a loaded
+    # 2-core host can take longer, so the stream may wait as long as the run may.
+    env["QWEN_STREAM_IDLE_TIMEOUT_MS"] = str(int(timeout_s * 1000))
     if auth_type == "anthropic":
         env |= {"ANTHROPIC_API_KEY": "unused", "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_MODEL": model}
     else:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,18 @@ from shared.registry import WorkerInfo
 
 # A worker's start includes its deterministic self-test: ~4 s for the default model on the exact
 # kernels' AVX-512 VNNI code, ~35 s on 2 cores of an AVX2-only CPU (the portable code), more under load.
-_START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0
+# How long a test waits for something the stack does on its own (a heartbeat, a requeue, a log
+# line): generous, since waiting ends as soon as it happens, and a loaded host is slow.
+SETTLE_TIMEOUT_S = 30.0
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    """Poll ``condition`` until it holds; past ``timeout_s`` fail saying ``what`` never happened."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
+        time.sleep(0.02)
 
 
 def free_port() -> int:
@@ -41,6 +54,17 @@ class Process:
 
     def is_running(self) -> bool:
         return self.popen.poll() is None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The process stopped (SIGSTOP) for the block, then continued: what a worker runs stays
+        unfinished meanwhile, however fast the CPU. Its heartbeat outlives a pause shorter than
+        the heartbeat TTL (5 s)."""
+        self.popen.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.popen.send_signal(signal.SIGCONT)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
         if self.popen.poll() is None:
@@ -99,7 +123,7 @@ class Stack:
     def start_api(self, **settings: object) -> Process:
         self.port = self.port or free_port()
         self.api = self._spawn("api", "api", {"port": self.port, **settings})
-        deadline = time.monotonic() + _START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if not self.api.is_running():
                 raise RuntimeError(f"API exited:\n{self.api.log()}")
@@ -136,7 +160,7 @@ class Stack:
 
     def wait_ready(self, process: Process, model: str) -> None:
         worker_id = f"{self.key_prefix}-worker{self.workers.index(process)}"
-        deadline = time.monotonic() + _START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if not process.is_running():
                 raise RuntimeError(f"worker exited:\n{process.log()}")
@@ -162,6 +186,25 @@ class Stack:
         finally:
             client.close()
         return owner.decode() if owner else None
+
+    def job_state(self, job_id: str) -> str | None:
+        """The job's lifecycle state (queued, running, finished, failed, cancelled, expired)."""
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            state = client.hget(self.keys.job(job_id), "state")
+        finally:
+            client.close()
+        return state.decode() if state else None
+
+    def running_jobs(self) -> dict[str, str]:
+        """Job id → owner (worker id) of every job in the running set."""
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            job_ids = [raw.decode() for raw in client.zrange(self.keys.running_jobs(), 0, -1)]
+            owners = [client.hget(self.keys.job(job_id), "owner") for job_id in job_ids]
+        finally:
+            client.close()
+        return {job_id: owner.decode() for job_id, owner in zip(job_ids, owners, strict=True) if owner}
 
     def worker_of(self, job_id: str) -> Process:
         """The worker process that runs the job now."""

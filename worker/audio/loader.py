@@ -50,8 +50,9 @@ def is_whisper_model(model: str) -> bool:
 def load_whisper(model: str, cache_dir: Path, device: str, num_threads: int) -> LoadedWhisper:
     from faster_whisper import WhisperModel
 
-    if model in WHISPER_MODELS:
-        folder, source = assemble_whisper(WHISPER_MODELS[model], cache_dir), f"{model} (PyPI wheels, checked)"
+    named = WHISPER_MODELS.get(model)
+    if named is not None:
+        folder, source = assemble_whisper(named, cache_dir), f"{model} (PyPI wheels, checked)"
     elif is_whisper_model(model):
         folder, source = Path(model), str(model)
     else:
@@ -66,4 +67,7 @@ def load_whisper(model: str, cache_dir: Path, device: str, num_threads: int) -> 
     loaded = WhisperModel(
         str(folder), device=kind, device_index=int(index or 0), compute_type=compute_type, cpu_threads=num_threads
     )
-    return LoadedWhisper(loaded, bool(loaded.model.is_multilingual), source)
+    # A named model's files are checked against its record, which says what it is; of a folder,
+    # CTranslate2 tells by the vocabulary's size (English-only Whisper models have one token less).
+    is_multilingual = named.is_multilingual if named is not None else bool(loaded.model.is_multilingual)
+    return LoadedWhisper(loaded, is_multilingual, source)

@@ -121,7 +121,7 @@ class EmbeddingEngine:
     @staticmethod
     def _output(work: EmbeddingWork, results: dict[tuple[str, int], list[float]]) -> RequestOutput:
         vectors = [results[(work.request_id, index)] for index in range(len(work.inputs))]
-        events = [] if work.start_event is None else [work.start_event]
+        events: list[AnyEvent] = [] if work.start_event is None else [work.start_event]
         events += [
             EmbeddingsEvent(seq=1, vectors=vectors),
             EndEvent(seq=2, usage=UsageCounts(prompt_tokens=work.num_prompt_tokens, completion_tokens=0)),

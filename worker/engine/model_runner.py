@@ -7,7 +7,7 @@ architecture transformers implements with ``update()``-style caches works.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -18,6 +18,8 @@ from worker.native.kv_cache import SharedGroup, SlotKVCache
 from worker.native.model_config import text_config
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from worker.native.compiled_decode import CompiledDecode
 
 SharedPrefix = tuple[int, int]  # (prefix slot, length) a row reads before its own keys; length 0: none
@@ -49,7 +51,7 @@ class StepForward(Protocol):
 class TransformersForward:
     """A transformers causal LM driven through its decoder with our cache and mask."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
 
@@ -81,7 +83,9 @@ class TransformersForward:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache) -> None:
         self.model = model
-        self.forward: StepForward = model if isinstance(model, NativeCausalLM) else TransformersForward(model)
+        self.forward: StepForward = (
+            model if isinstance(model, NativeCausalLM) else TransformersForward(cast("PreTrainedModel", model))
+        )
         self.cache = cache
         self.device = cache.layout.device
         config = text_config(model.config)

@@ -100,7 +100,9 @@ class Sampler:
         state = self.state
         if state.logit_bias is not None:
             logits = logits + state.logit_bias[slots]
-        if state.output_counts is None or not any(seq.params.uses_penalties for seq in seqs):
+        if state.output_counts is None or state.prompt_mask is None:  # made together, on the first penalty
+            return logits
+        if not any(seq.params.uses_penalties for seq in seqs):
             return logits
         counts = state.output_counts[slots].to(logits.dtype)
         seen = (counts > 0) | state.prompt_mask[slots]

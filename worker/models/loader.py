@@ -199,9 +199,10 @@ def _convert(target: Path, gguf: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     logger.info("[1/3] tokenizer read; dequantizing the weights (transformers shows progress)")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
         # A GGUF-loaded model carries a quantization config that save_pretrained refuses.
-        model.hf_quantizer.remove_quantization_config(model)
+        quantizer.remove_quantization_config(model)
     logger.info("[2/3] weights dequantized; writing safetensors")
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -256,7 +257,7 @@ def _load_transformers_model(source: str, dtype: torch.dtype, device: torch.devi
     """The model through transformers; returns it and its generation config's eos ids."""
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    hf_model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
     hf_model = hf_model.to(device).eval()
     return hf_model, getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
 

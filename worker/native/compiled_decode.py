@@ -181,7 +181,7 @@ class CompiledDecode:
     def __call__(self, token_id: int, position: int) -> torch.Tensor:
         """fp32 logits ``[1, vocab]`` of the row in slot 0, writing its key and value at ``position``."""
         self.num_steps += 1
-        return self._runner(*step_inputs(self._kv, token_id, position))  # type: ignore[no-any-return]
+        return self._runner(*step_inputs(self._kv, token_id, position))
 
     def _prepare(self) -> None:
         began = time.monotonic()

@@ -10,7 +10,7 @@ through the slot cache (``kv_cache.py``).
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -278,6 +278,10 @@ class DecoderBody(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The layers as what they are (``nn.ModuleList`` types its items as plain modules)."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
+
 
 class NativeCausalLM(nn.Module):
     """``model.*`` and ``lm_head`` as in the checkpoints; ``config`` is the spec."""
@@ -334,7 +338,7 @@ class NativeCausalLM(nn.Module):
     def join_projections(self) -> None:
         """After the checkpoint is loaded (its names are the separate projections'): q/k/v and
         gate/up become one matmul each."""
-        for layer in self.model.layers:
+        for layer in self.model.decoder_layers():
             layer.self_attn.join_projections()
             layer.mlp.join_projections()
 

@@ -80,7 +80,7 @@ def make_exact(model: NativeCausalLM, groups: dict[str, Int4Groups], mode: Quant
     if model.device.type != "cpu":
         raise ValueError(f"the exact kernels run on the CPU; this model is on {model.device}")
     summary = ExactSummary()
-    for index, layer in enumerate(model.model.layers):
+    for index, layer in enumerate(model.model.decoder_layers()):
         prefix = f"model.layers.{index}"
         attention, mlp = layer.self_attn, layer.mlp
         assert attention.qkv_proj is not None and mlp.gate_up_proj is not None, "join_projections() runs first"

@@ -63,7 +63,7 @@ def _rope_theta(config: dict[str, object]) -> float:
     rope_type = parameters.get("rope_type", parameters.get("type", "default"))
     if rope_type not in ("default", "mrope"):  # Qwen2-VL's published configs name multimodal RoPE "mrope"
         raise UnsupportedCheckpoint(f"rope type {rope_type!r}")
-    return float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))  # type: ignore[arg-type]
+    return float(parameters.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
 def _weight_files(folder: Path) -> tuple[Path, ...]:

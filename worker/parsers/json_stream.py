@@ -186,7 +186,8 @@ class JsonValueScanner:
                     self._end_token()
                 return text
             if not self._token.is_complete:
-                return self._fail()
+                self._fail()
+                return None
             self._end_token()
             if self.is_complete:
                 return None
@@ -205,7 +206,8 @@ class JsonValueScanner:
         if char in _VALUE_STARTS and expect in _MAY_START_VALUE:
             return self._start_value(char)
         if container is None:
-            return self._fail()
+            self._fail()
+            return None
         if char == container.closer and expect in _MAY_CLOSE:
             self._containers.pop()
             self._end_value()
@@ -217,7 +219,8 @@ class JsonValueScanner:
         elif char == ":" and expect is _Expect.COLON:
             container.expect = _Expect.VALUE
         elif char not in _WHITESPACE:
-            return self._fail()
+            self._fail()
+            return None
         self._held += char
         return ""
 

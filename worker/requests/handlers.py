@@ -5,7 +5,7 @@ transcription engine. Each refuses the others' jobs with a clear 400."""
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 import numpy as np
 
@@ -104,7 +104,7 @@ class GenerationHandler:
             if outside is not None:
                 message = f"Token id {outside} is outside this model's vocabulary [0, {vocab_size})."
                 raise RelayError(ErrorKind.INVALID_REQUEST, message, "tokens")
-            return request.tokens, tokenizer.decode(request.tokens)
+            return request.tokens, cast(str, tokenizer.decode(request.tokens))  # one sequence: one string
         if request.chat is not None:
             return chat_prompt_ids(request.chat, self.loaded, self.tooling, images), None
         return tokenizer.encode(request.prompt or "", add_special_tokens=request.add_special_tokens), None

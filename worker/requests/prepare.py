@@ -95,7 +95,7 @@ def prepare_chat(
 
 
 def _tool_call_format(tooling: ToolingConfig) -> ToolCallFormat | None:
-    return tooling.tool_parser if tooling.tool_parser in TOOL_CALL_FORMATS else None  # type: ignore[return-value]
+    return tooling.tool_parser if tooling.tool_parser in TOOL_CALL_FORMATS else None
 
 
 def prepare_completion(job_id: str, request: Generate, loaded: LoadedModel, limits: RequestLimits) -> EngineRequest:

@@ -89,7 +89,7 @@ def render_prompt_text(
     try:
         text = tokenizer.apply_chat_template(
             messages,
-            tools=tools,
+            tools=None if tools is None else [*tools],
             add_generation_prompt=True,
             tokenize=False,
             **request.chat_template_kwargs,

@@ -32,7 +32,16 @@ from shared.contract import (
     images_of,
 )
 from shared.errors import ErrorKind, RelayError
-from shared.events import DeltaEvent, EndEvent, ErrorEvent, SegmentEvent, StartEvent, TranscriptEvent, UsageCounts
+from shared.events import (
+    AnyEvent,
+    DeltaEvent,
+    EndEvent,
+    ErrorEvent,
+    SegmentEvent,
+    StartEvent,
+    TranscriptEvent,
+    UsageCounts,
+)
 from shared.job_lifecycle import Claim, JobLifecycle, JobState
 from shared.log_setup import log_transition
 from worker.audio.engine import TranscriptionWork, WindowResume
@@ -147,7 +156,7 @@ class JobRunner:
             await self._end_with(claim, self._refusal(exc, claim.job_id, job.request_id))
             return
         count = len(token_ids)
-        events = [
+        events: list[AnyEvent] = [
             StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=count),
             DeltaEvent(seq=1, token_ids=token_ids, content=text),
             EndEvent(seq=2, usage=UsageCounts(prompt_tokens=count, completion_tokens=0)),

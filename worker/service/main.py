@@ -210,6 +210,7 @@ class WorkerProcess:
         await listener.start()
         if isinstance(loaded, LoadedWhisper):
             max_len = 0  # windows, not tokens: the API cuts recordings into windows of at most 30 s
+            self.registration.info.english_only = not loaded.is_multilingual  # the API refuses what it cannot do
         else:
             max_len = loaded.max_input_tokens if isinstance(loaded, LoadedEmbedder) else loaded.max_model_len
         if isinstance(loaded, LoadedModel) and loaded.vision is not None:

@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 _MIN_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 5.0
 
-RunJob = Callable[[Claim], Awaitable[None]]
+RunJob = Callable[[Claim], Coroutine[Any, Any, None]]
 
 
 class QueueConsumer:

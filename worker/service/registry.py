@@ -89,12 +89,21 @@ class WorkerRegistration:
         info.num_jobs = self.jobs_probe()
         info.compiled_decode = self.compile_probe()
         info.images_encoded, info.image_cache_hits, info.vision_encode_seconds = self.vision_probe()
-        record = await self._model_record(now)
+        is_ready = info.state == "ready"
+        record = await self._model_record(now) if is_ready else self._first_record(now)
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.set(self._keys.worker(info.worker_id), info.model_dump_json(), ex=WORKER_HEARTBEAT_TTL_S)
             pipe.sadd(self._keys.model_workers(info.model), info.worker_id)
-            pipe.hset(self._keys.models(), info.model, record.model_dump_json())
+            if is_ready:
+                pipe.hset(self._keys.models(), info.model, record.model_dump_json())
+            else:
+                # Known, so a request waits for a ready worker instead of getting 404; but what the
+                # record says (capabilities, when the model was last served) is a ready worker's.
+                pipe.hsetnx(self._keys.models(), info.model, record.model_dump_json())
             await pipe.execute()
+
+    def _first_record(self, now: float) -> ModelRecord:
+        return ModelRecord(model=self.info.model, first_seen=now, last_seen=now, task=self.info.task)
 
     async def _model_record(self, now: float) -> ModelRecord:
         raw = await self._redis.hget(self._keys.models(), self.info.model)

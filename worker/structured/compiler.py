@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import llguidance
 import llguidance.hf
@@ -33,7 +33,7 @@ from worker.structured.qwen3_coder_grammar import qwen3_coder_grammar
 from worker.structured.schema_finiteness import admits_finite_value
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class ConstraintCompiler:
         if not self.stop_token_ids:
             raise ValueError("a constrained sequence needs at least one stop token id")
         self.tags = TagTokens.from_tokenizer(tokenizer)
-        self._ll_tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=vocab_size, eos_token=sorted(self.stop_token_ids)
+        self._ll_tokenizer = llguidance.hf.from_tokenizer(  # it refuses all but fast tokenizers itself
+            cast("PreTrainedTokenizerFast", tokenizer), n_vocab=vocab_size, eos_token=sorted(self.stop_token_ids)
         )
         self._cache: OrderedDict[str, CompiledConstraint] = OrderedDict()
         self._cache_size = cache_size

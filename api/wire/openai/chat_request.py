@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.wire.openai.images import ImageLocator, ImageSource
+from api.wire.openai.json_schema import JsonSchema
 from api.wire.openai.sampling_fields import SamplingFields
 
 
@@ -123,7 +124,7 @@ ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMes
 class FunctionDefinition(_Wire):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonSchema | None = None
     strict: bool | None = None
 
 
@@ -144,7 +145,7 @@ class NamedToolChoice(_Wire):
 class JsonSchemaFormat(_Wire):
     name: str
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JsonSchema | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 

@@ -13,14 +13,22 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "relaylm"
     max_model_len: int | None = Field(default=None, description="Extension: the context length served.")
-    num_live_workers: int = Field(default=0, description="Extension: workers serving this model now.")
+    num_live_workers: int = Field(
+        default=0, description="Extension: ready workers serving this model now (loading ones are not counted)."
+    )
+    num_loading_workers: int = Field(
+        default=0,
+        description="Extension: workers still loading this model; a request waits queued for one to be ready "
+        "(for --no-worker-grace-s at most when none is ready).",
+    )
     task: str = Field(
         default="generate", description="Extension: generate (chat, completions), embed or transcribe (audio)."
     )
     deterministic: bool = Field(
         default=False,
-        description="Extension: every live worker of the model promises that a greedy or seeded request's "
-        "text depends on the request alone (not on the batch, the cache, the thread count or a failover).",
+        description="Extension: every ready worker of the model (at least one) promises that a greedy or "
+        "seeded request's text depends on the request alone (not on the batch, the cache, the thread count or "
+        "a failover).",
     )
 
 
