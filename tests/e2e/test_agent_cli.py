@@ -7,6 +7,7 @@ the call as a fenced JSON object, which the hermes parser takes as a call (as ll
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,11 @@ pytestmark = [
 MODEL = "qwen2.5-coder-0.5b-instruct"
 SECRET = "PELICAN"
 PROMPT = "Call the read_file tool on notes.txt, then tell me the secret word in it."
+# The worker's self-test measures the host as the test will find it: seconds on two quiet cores
+# with the exact kernels' vector code (4 s for the 135M default model); with a busy loop beside the
+# suite on a 2-core Xeon it took 164 s for this model, and the CLI's first prefill then outlasted
+# the test's eight minutes.
+SELF_TEST_LIMIT_S = 60.0
 ROUTES = {"openai": "/v1/chat/completions", "openai-responses": "/v1/responses", "anthropic": "/v1/messages"}
 
 
@@ -43,10 +49,21 @@ def agent_stack(redis_url: str, log_dir: Path) -> Iterator[Stack]:
         stack.start_api()
         ensure_named_model(MODEL, models.test_cache_dir())  # fetched and converted outside the start-up timeout
         # The model's whole 32k context: the CLI's first prompt alone is about 16k tokens.
-        stack.start_worker(MODEL, MODEL, cache_dir=models.test_cache_dir(), max_num_seqs=2)
+        worker = stack.start_worker(MODEL, MODEL, cache_dir=models.test_cache_dir(), max_num_seqs=2)
+        self_test_s = _self_test_seconds(worker.log())
+        if self_test_s > SELF_TEST_LIMIT_S:
+            pytest.skip(
+                f"the model's self-test took {self_test_s:.0f} s here (over {SELF_TEST_LIMIT_S:.0f} s): this host "
+                "is too busy to prefill the CLI's 16k-token prompt within the test's time"
+            )
         yield stack
     finally:
         stack.stop()
+
+
+def _self_test_seconds(log: str) -> float:
+    found = re.search(r"deterministic self-test passed in ([0-9.]+) s", log)
+    return float(found.group(1)) if found else 0.0
 
 
 # The CLI's first prompt is a cold ~16k-token prefill: 3-4 minutes on a 2-core CPU with the exact kernels.
