@@ -1,8 +1,9 @@
 """Real workers held in their loading state for as long as a test needs, however fast the CPU.
 
 A worker registers as loading before it loads its model. Each held worker is stopped (SIGSTOP) at
-once and then let run in short slices until its registry record says ``loading``: it can have
-gone at most one slice further, and no model loads in one. It stays stopped for the block, its
+once and then let run in short slices until its registry record says ``loading`` and its log says
+it has started loading (its start-up Redis reads done: none is left in flight to time out while it
+is stopped): it can have gone at most one slice further, and no model loads in one. It stays stopped for the block, its
 registry record kept from expiring meanwhile, as its own heartbeats keep it while its model loads
 (they run beside the load); then it goes on (SIGCONT) and becomes ready on its own."""
 
@@ -33,6 +34,12 @@ def _state(client: redis.Redis, key: str) -> str | None:
     return WorkerInfo.model_validate_json(raw).state if raw else None
 
 
+def _is_loading(client: redis.Redis, key: str, process: Process, worker_id: str) -> bool:
+    state = _state(client, key)
+    assert state in (None, "loading"), f"the worker was {state} before it could be held:\n{process.log()}"
+    return state == "loading" and f"worker {worker_id} registered for model" in process.log()
+
+
 def _signal(processes: list[Process], signum: int) -> None:
     for process in processes:
         process.popen.send_signal(signum)
@@ -42,13 +49,14 @@ def _signal(processes: list[Process], signum: int) -> None:
 def held_in_loading(stack: Stack, processes: list[Process]) -> Iterator[None]:
     """``processes``: workers just started (``wait=False``), not yet registered."""
     client = redis.Redis.from_url(stack.redis_url)
-    keys = [stack.keys.worker(worker_id_of(stack, process)) for process in processes]
+    worker_ids = [worker_id_of(stack, process) for process in processes]
+    keys = [stack.keys.worker(worker_id) for worker_id in worker_ids]
     _signal(processes, signal.SIGSTOP)
     keeping = threading.Event()
     keeper = threading.Thread(target=_keep_registered, args=(stack.redis_url, keys, keeping), daemon=True)
     keeper.start()  # a worker that registered waits stopped while the others are stepped on
     try:
-        _step_until_registered(client, processes, keys)
+        _step_until_loading(client, list(zip(processes, keys, worker_ids, strict=True)))
         yield
     finally:
         keeping.set()
@@ -57,24 +65,18 @@ def held_in_loading(stack: Stack, processes: list[Process]) -> Iterator[None]:
         client.close()
 
 
-def _step_until_registered(client: redis.Redis, processes: list[Process], keys: list[str]) -> None:
+def _step_until_loading(client: redis.Redis, pending: list[tuple[Process, str, str]]) -> None:
+    """``pending``: each worker's process, registry key and id."""
     deadline = time.monotonic() + _REGISTER_TIMEOUT_S
-    pending = list(zip(processes, keys, strict=True))
     while pending:
-        for process, _ in pending:
+        for process, _, _ in pending:
             assert process.is_running(), f"worker exited:\n{process.log()}"
-        assert time.monotonic() < deadline, "workers did not register"
-        running = [process for process, _ in pending]
+        assert time.monotonic() < deadline, "workers did not start loading"
+        running = [process for process, _, _ in pending]
         _signal(running, signal.SIGCONT)
         time.sleep(STEP_S)
         _signal(running, signal.SIGSTOP)
-        still = []
-        for process, key in pending:
-            state = _state(client, key)
-            assert state in (None, "loading"), f"the worker was {state} before it could be held:\n{process.log()}"
-            if state is None:
-                still.append((process, key))
-        pending = still
+        pending = [(p, key, worker_id) for p, key, worker_id in pending if not _is_loading(client, key, p, worker_id)]
 
 
 def _keep_registered(redis_url: str, keys: list[str], stop: threading.Event) -> None:
