@@ -28,7 +28,7 @@ $(INSTALLED): pyproject.toml scripts/install-torch.sh
 serve: $(INSTALLED)
 	$(VENV)/bin/relaylm serve $(foreach model,$(MODEL) $(MODELS),--model $(model)) $(ARGS)
 
-## The whole suite: lint and type-check (mypy: api/ and shared/), then unit, integration and end-to-end tests,
+## The whole suite: lint and type-check (mypy: api/, shared/ and worker/), then unit, integration and end-to-end tests,
 ## then the chat, batch and Responses end-to-end suites on a Redis Cluster (the audio tests' Debian packages,
 ## pocketsphinx-testdata and espeak-ng, are installed first when missing).
 test: $(INSTALLED)

@@ -231,3 +231,27 @@ def test_the_numerics_know_nothing_of_the_engine() -> None:
     assert _importers("worker.native.", ("worker.engine",)) == {}
     assert _importers("worker.parsers.", ("worker.engine",)) == {}
     assert _importers("worker.structured.", ("worker.engine",)) == {}
+
+
+# -- one place per decision -----------------------------------------------------------------------
+
+_TASKS = {"generate", "embed", "transcribe"}
+
+
+def _compares_a_task(module: str) -> bool:
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Constant) and o.value in _TASKS for o in operands):
+                return True
+    return False
+
+
+def test_worker_tasks_are_dispatched_in_one_place() -> None:
+    """``worker.kinds`` picks the kind for the task; the process, runner and engine thread see
+    only the kind's protocols, never a model, engine or handler of one task."""
+    kinds = ("worker.kinds.generate", "worker.kinds.embed", "worker.kinds.transcribe")
+    assert {m for m in _importers("worker.", kinds) if not m.startswith(kinds)} == {"worker.kinds"}
+    assert {m for m in MODULES if m.startswith("worker.") and _compares_a_task(m)} == {"worker.kinds"}
+    task_specific = ("worker.audio", "worker.embedding", "worker.models", "worker.native", "worker.requests")
+    assert _importers("worker.service.", task_specific) == {}

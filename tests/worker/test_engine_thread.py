@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
-from worker.engine.engine import LLMEngine
+from worker.kinds.base import Engine
 from worker.service.engine_thread import EngineThread
 from worker.service.main import EngineStopped, WorkerProcess
 from worker.settings import WorkerSettings
@@ -28,18 +29,18 @@ def _settings(redis_url: str, model: Path) -> WorkerSettings:
     )  # fmt: skip
 
 
-def _raise_on_run(engine: LLMEngine) -> LLMEngine:
+def _raise_on_run(engine: Engine[Any]) -> Engine[Any]:
     def run_forever() -> None:
         raise RuntimeError("engine loop failed")
 
-    engine.run_forever = run_forever  # type: ignore[method-assign]
+    engine.run_forever = run_forever  # type: ignore[method-assign,misc]
     return engine
 
 
 async def test_a_worker_whose_engine_loop_dies_deregisters_and_exits(redis_url: str, tiny_model_path: Path) -> None:
     settings = _settings(redis_url, tiny_model_path)
     process = WorkerProcess(settings)
-    process.engine_thread = EngineThread(process._load, lambda loaded: _raise_on_run(process._build(loaded)))
+    process.engine_thread = EngineThread(lambda: _raise_on_run(process.kind.start()))
     redis = Redis.from_url(redis_url)
     try:
         with pytest.raises(EngineStopped, match="engine loop failed"):
@@ -52,8 +53,8 @@ async def test_a_worker_whose_engine_loop_dies_deregisters_and_exits(redis_url: 
 
 async def test_a_stopped_engine_loop_is_reported_as_a_normal_exit(tiny_model_path: Path, redis_url: str) -> None:
     process = WorkerProcess(_settings(redis_url, tiny_model_path))
-    thread = EngineThread(process._load, process._build)
-    _loaded, engine = await thread.start()
+    thread = EngineThread(process.kind.start)
+    engine = await thread.start()
     engine.stop()
     await asyncio.wait_for(thread.exited(), 10)
     await process.redis.aclose()

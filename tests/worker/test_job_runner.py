@@ -18,7 +18,7 @@ from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent
 from shared.job_lifecycle import Claim, JobLifecycle, JobState
 from shared.redis_keys import RedisKeys
-from worker.engine.sequence import ResumeState
+from worker.kinds.base import JobInputs
 from worker.service.job_runner import CONTRACT_GRACE_S, JobRunner
 from worker.service.publisher import EventPublisher
 
@@ -33,7 +33,7 @@ class _FailingHandler:
     def __init__(self, error: Exception) -> None:
         self.error = error
 
-    def prepare(self, job: AnyJob, resume: ResumeState | None, images: object = None) -> object:
+    async def prepare(self, job: AnyJob, inputs: JobInputs) -> object:
         raise self.error
 
 

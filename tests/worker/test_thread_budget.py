@@ -99,11 +99,12 @@ class _CountingEngine:
 async def test_engine_thread_applies_thread_counts_on_its_own_thread() -> None:
     seen_at_load: list[int] = []
     engine = _CountingEngine()
-    thread = EngineThread(
-        lambda: seen_at_load.append(torch.get_num_threads()),  # type: ignore[arg-type,return-value]
-        lambda _loaded: engine,  # type: ignore[arg-type,return-value]
-        num_threads=1,
-    )
+
+    def build() -> _CountingEngine:
+        seen_at_load.append(torch.get_num_threads())
+        return engine
+
+    thread = EngineThread(build, num_threads=1)  # type: ignore[arg-type]
     num_threads_here = torch.get_num_threads()
     await thread.start()
     try:

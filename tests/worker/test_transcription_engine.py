@@ -27,7 +27,9 @@ from tests.worker.transcription_helpers import (
 from worker.audio.engine import TranscriptionEngine, WindowResume
 from worker.embedding.engine import EmbeddingEngine
 from worker.embedding.loader import LoadedEmbedder
-from worker.requests.handlers import EmbeddingHandler, GenerationHandler, TranscriptionHandler
+from worker.kinds.embed import EmbeddingHandler
+from worker.kinds.generate import GenerationHandler
+from worker.kinds.transcribe import TranscriptionHandler
 
 MODEL = "whisper-fake"
 
@@ -137,18 +139,18 @@ def test_a_multilingual_model_refuses_unknown_language_codes_only() -> None:
     handler.prepare_window(transcription_job(MODEL, language="de", translate=True), b"", None)
 
 
-def test_each_worker_refuses_the_others_jobs() -> None:
+async def test_each_worker_refuses_the_others_jobs() -> None:
     chat = ChatJob(job_id="c", created=0, request=Generate(model="m", messages=[Message(role="user", content="hi")]))
     embedding = EmbeddingJob(job_id="e", created=0, request=Embed(model="m", inputs=["hi"]))
     for job in (chat, embedding):
         with pytest.raises(RelayError, match="serves audio transcription only") as refused:
-            _handler(is_multilingual=False).prepare(job, None)
+            await _handler(is_multilingual=False).prepare(job, None)  # type: ignore[arg-type]  # read nothing
         assert refused.value.kind is ErrorKind.INVALID_REQUEST and refused.value.param == "model"
     window = transcription_job("m")
     embedder = LoadedEmbedder(None, None, "mean", True, 16, 4, "x")  # type: ignore[arg-type]
     embeddings = EmbeddingHandler(embedder, EmbeddingEngine(embedder, lambda outputs: None))
     with pytest.raises(RelayError, match="Model `m` serves embeddings only"):
-        embeddings.prepare(window, None)
+        await embeddings.prepare(window, None)  # type: ignore[arg-type]
     generation = GenerationHandler(None, None, SimpleNamespace(max_running=1))  # type: ignore[arg-type]
     with pytest.raises(RelayError, match="Model `m` serves chat and text completions only"):
-        generation.prepare(window, None)
+        await generation.prepare(window, None)  # type: ignore[arg-type]

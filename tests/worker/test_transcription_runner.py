@@ -22,7 +22,7 @@ from shared.redis_keys import RedisKeys
 from tests.worker.transcription_helpers import EngineRun, events_of, stand_in_whisper, transcription_job, window_work
 from worker.audio.engine import TranscriptionEngine
 from worker.engine.engine import RequestOutput
-from worker.requests.handlers import TranscriptionHandler
+from worker.kinds.transcribe import TranscriptionHandler
 from worker.service.job_runner import JobRunner
 from worker.service.publisher import EventPublisher
 

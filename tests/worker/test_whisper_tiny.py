@@ -16,7 +16,7 @@ from tests.support.audio import LIBRIVOX_DIR, librivox_clips, read_wav, word_err
 from tests.worker.transcription_helpers import EngineRun, events_of, transcription_job, window_work
 from worker.audio.engine import SAMPLE_RATE, TranscriptionEngine, WindowResume
 from worker.audio.loader import LoadedWhisper, load_whisper
-from worker.requests.handlers import TranscriptionHandler
+from worker.kinds.transcribe import TranscriptionHandler
 
 MODEL = "whisper-tiny.en"
 

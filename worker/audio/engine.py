@@ -6,16 +6,12 @@ is what lets a worker continue a window another worker died in: it transcribes t
 and sends only the segments the job's log lacks (:class:`WindowResume`). Silero VAD (shipped with
 faster-whisper) keeps only the speech, so silence gives no text rather than words Whisper invents.
 
-Every submitted window ends with an output marked done, also when it was aborted or failed: the
-job runner waits for that, and so does the client's stream. A window that fails ends its job
-with an error; the worker goes on with the next."""
+Every submitted window ends with an output marked done, also when it was aborted or failed (see
+:class:`InboxEngine`)."""
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -36,6 +32,7 @@ from shared.events import (
 )
 from worker.audio.loader import LoadedWhisper
 from worker.engine.engine import RequestOutput
+from worker.engine.inbox import InboxEngine
 
 logger = logging.getLogger(__name__)
 
@@ -85,70 +82,30 @@ class TranscriptionWork:
             self.num_tokens = resume.num_tokens_sent  # nothing is transcribed again
 
 
-class TranscriptionEngine:
+class TranscriptionEngine(InboxEngine[TranscriptionWork]):
+    failure_message = "transcription failed inside the worker"
+
     def __init__(self, whisper: LoadedWhisper, sink: Callable[[list[RequestOutput]], None]) -> None:
+        super().__init__(sink, max_running=1)
         self.whisper = whisper
-        self._sink = sink
-        self._inbox: queue.Queue[TranscriptionWork] = queue.Queue()
-        self._aborted: dict[str, tuple[ErrorKind | None, str]] = {}
-        self._stopping = threading.Event()
-        self._running: str | None = None
-        self.max_running = 1
-        self.num_windows = 0
-        self.audio_s = 0.0
-        self.busy_s = 0.0
-        self.before_step: Callable[[], None] | None = None  # run on the loop's thread before each window
 
-    def submit(self, work: TranscriptionWork) -> None:
-        self._inbox.put(work)
+    def _run(self, works: list[TranscriptionWork]) -> None:
+        for work in works:
+            self._run_window(work)
 
-    def abort(self, request_id: str, kind: ErrorKind | None = None, message: str = "") -> None:
-        """Stop a window (before its next segment); with ``kind`` its stream ends with that error."""
-        self._aborted[request_id] = (kind, message)
-
-    def load(self) -> tuple[int, int, float, float]:
-        return (1 if self._running is not None else 0), self._inbox.qsize(), 0.0, 0.0
-
-    @property
-    def num_waiting(self) -> int:
-        return self._inbox.qsize()
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    def run_forever(self) -> None:
-        while not self._stopping.is_set():
-            if self.before_step is not None:
-                self.before_step()
-            try:
-                work = self._inbox.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            self._running = work.request_id
-            try:
-                self._run(work)
-            except Exception:
-                logger.exception("window %s failed", work.request_id)
-                self._end(work, ErrorKind.INTERNAL, "transcription failed inside the worker")
-            finally:
-                self._aborted.pop(work.request_id, None)
-                self._running = None
-
-    def _run(self, work: TranscriptionWork) -> None:
+    def _run_window(self, work: TranscriptionWork) -> None:
         if work.start_event is not None:
             self._sink([RequestOutput(work.request_id, [work.start_event], False)])
-        if work.request_id in self._aborted:
-            self._end(work, *self._aborted[work.request_id])
-            return
+            work.start_event = None  # sent
         if work.has_transcript:  # only the end event is missing
             self._finish(work, [])
             return
-        started = time.monotonic()
         segments, info = self._transcribe(work)
         num_segments = 0
         for index, segment in enumerate(segments):
-            if work.request_id in self._aborted:
-                self._end(work, *self._aborted[work.request_id])
+            abort = self.aborted(work.request_id)
+            if abort is not None:
+                self._end(work, *abort)
                 return
             num_segments += 1
             work.num_tokens += len(segment.tokens)
@@ -166,9 +123,6 @@ class TranscriptionEngine:
         )
         work.next_seq += 1
         self._finish(work, [transcript])
-        self.num_windows += 1
-        self.audio_s += work.audio_s
-        self.busy_s += time.monotonic() - started
 
     def _transcribe(self, work: TranscriptionWork) -> tuple[Iterator[Segment], TranscriptionInfo]:
         """A lazy iterator: each segment is decoded when it is asked for."""
@@ -200,9 +154,9 @@ class TranscriptionEngine:
         self._sink([RequestOutput(work.request_id, events, True)])
 
     def _end(self, work: TranscriptionWork, kind: ErrorKind | None, message: str) -> None:
-        """The last output of a window that will not finish: its error, or nothing (cancelled)."""
         events: list[AnyEvent] = []
         if kind is not None:
+            events = [] if work.start_event is None else [work.start_event]
             events.append(ErrorEvent(seq=work.next_seq, kind=kind, message=message))
         self._sink([RequestOutput(work.request_id, events, True)])
 

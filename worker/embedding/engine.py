@@ -1,14 +1,11 @@
 """Micro-batching for embeddings: requests that arrive while a batch runs (or within a short
 wait) are embedded together, sorted by length and cut by a token budget so padding stays small.
 
-Every submitted request ends with an output marked done, also when it was aborted or its batch
-failed: the job runner waits for that, and so does the client's stream."""
+Every submitted request ends with an output marked done (see :class:`InboxEngine`)."""
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +16,7 @@ from shared.errors import ErrorKind
 from shared.events import AnyEvent, EmbeddingsEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts
 from worker.embedding.loader import LoadedEmbedder
 from worker.engine.engine import RequestOutput
+from worker.engine.inbox import InboxEngine
 
 logger = logging.getLogger(__name__)
 
@@ -37,70 +35,39 @@ class EmbeddingWork:
     def num_prompt_tokens(self) -> int:
         return sum(len(ids) for ids in self.inputs)
 
+    @property
+    def num_completion_tokens(self) -> int:
+        return 0
 
-class EmbeddingEngine:
+
+class EmbeddingEngine(InboxEngine[EmbeddingWork]):
+    failure_message = "embedding failed inside the worker"
+
     def __init__(
         self, embedder: LoadedEmbedder, sink: Callable[[list[RequestOutput]], None], batch_wait_s: float = 0.002
     ) -> None:
+        super().__init__(sink, _MAX_CONCURRENT_JOBS)
         self.embedder = embedder
-        self._sink = sink
         self._batch_wait_s = batch_wait_s
-        self._inbox: queue.Queue[EmbeddingWork] = queue.Queue()
-        self._aborted: dict[str, tuple[ErrorKind | None, str]] = {}
-        self._stopping = threading.Event()
-        self.max_running = _MAX_CONCURRENT_JOBS
-        self.num_batches = 0
-        self.before_step: Callable[[], None] | None = None  # run on the loop's thread before each batch
 
-    def submit(self, work: EmbeddingWork) -> None:
-        self._inbox.put(work)
+    def _gather(self, first: EmbeddingWork) -> list[EmbeddingWork]:
+        time.sleep(self._batch_wait_s)  # let concurrent requests join this batch
+        works = [first]
+        while not self._inbox.empty():
+            works.append(self._inbox.get_nowait())
+        return works
 
-    def abort(self, request_id: str, kind: ErrorKind | None = None, message: str = "") -> None:
-        """Drop a request not yet embedded; with ``kind`` its stream ends with that error."""
-        self._aborted[request_id] = (kind, message)
-
-    def load(self) -> tuple[int, int, float, float]:
-        return 0, self._inbox.qsize(), 0.0, 0.0
-
-    @property
-    def num_waiting(self) -> int:
-        return self._inbox.qsize()
-
-    def stop(self) -> None:
-        self._stopping.set()
-
-    def run_forever(self) -> None:
-        while not self._stopping.is_set():
-            if self.before_step is not None:
-                self.before_step()
-            try:
-                first = self._inbox.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            time.sleep(self._batch_wait_s)  # let concurrent requests join this batch
-            works = [first]
-            while not self._inbox.empty():
-                works.append(self._inbox.get_nowait())
-            aborted = {w.request_id: self._aborted.pop(w.request_id) for w in works if w.request_id in self._aborted}
-            if aborted:
-                self._sink([_ended(w, *aborted[w.request_id]) for w in works if w.request_id in aborted])
-            live = [w for w in works if w.request_id not in aborted]
-            try:
-                if live:
-                    self._run_batch(live)
-            except Exception:
-                logger.exception("embedding batch failed")
-                self._sink([_ended(w, ErrorKind.INTERNAL, "embedding failed inside the worker") for w in live])
+    def _end(self, work: EmbeddingWork, kind: ErrorKind | None, message: str) -> None:
+        self._sink([_ended(work, kind, message)])
 
     @torch.inference_mode()
-    def _run_batch(self, works: list[EmbeddingWork]) -> None:
+    def _run(self, works: list[EmbeddingWork]) -> None:
         items = sorted(((w, i) for w in works for i in range(len(w.inputs))), key=lambda wi: len(wi[0].inputs[wi[1]]))
         results: dict[tuple[str, int], list[float]] = {}
         for chunk in _chunks_by_tokens(items, _BATCH_TOKENS):
             vectors = self._embed([work.inputs[index] for work, index in chunk])
             for (work, index), vector in zip(chunk, vectors, strict=True):
                 results[(work.request_id, index)] = vector
-        self.num_batches += 1
         logger.info("embedding batch: %d requests, %d inputs", len(works), len(items))
         self._sink([self._output(work, results) for work in works])
 

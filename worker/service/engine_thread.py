@@ -19,28 +19,26 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
-from worker.engine.engine import LLMEngine
-from worker.models.loader import LoadedModel
+from worker.kinds.base import Engine
 
 logger = logging.getLogger(__name__)
 
-EngineFactory = Callable[[LoadedModel], LLMEngine]
-
 
 class EngineThread:
-    def __init__(self, load: Callable[[], LoadedModel], build: EngineFactory, num_threads: int | None = None) -> None:
-        self._load = load
+    def __init__(self, build: Callable[[], Engine[Any]], num_threads: int | None = None) -> None:
+        """``build``: loads the model and builds its engine (a worker kind's ``start``)."""
         self._build = build
         self._num_threads_wanted = num_threads  # written by any thread
         self._num_threads_applied: int | None = None  # engine thread only
-        self._ready: Future[tuple[LoadedModel, LLMEngine]] = Future()
+        self._ready: Future[Engine[Any]] = Future()
         self._exited: Future[None] = Future()
         self._thread = threading.Thread(target=self._main, name="relaylm-engine", daemon=True)
 
-    async def start(self) -> tuple[LoadedModel, LLMEngine]:
+    async def start(self) -> Engine[Any]:
         """Load and build on the engine thread; resolves once the loop is about to run."""
         self._thread.start()
         return await asyncio.wrap_future(self._ready)
@@ -66,13 +64,12 @@ class EngineThread:
     def _main(self) -> None:
         try:
             self._apply_num_threads()
-            loaded = self._load()
-            engine = self._build(loaded)
+            engine = self._build()
         except BaseException as exc:
             self._ready.set_exception(exc)
             return
         engine.before_step = self._apply_num_threads
-        self._ready.set_result((loaded, engine))
+        self._ready.set_result(engine)
         try:
             engine.run_forever()
         except BaseException as exc:

@@ -18,36 +18,17 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Generic
 
 from redis.exceptions import RedisError
 
-from shared.contract import (
-    CONTRACT_VERSION,
-    AnyJob,
-    NewerContract,
-    TokenizeJob,
-    TranscriptionJob,
-    UnreadableJob,
-    decode_job,
-    images_of,
-)
+from shared.contract import CONTRACT_VERSION, NewerContract, UnreadableJob, decode_job
 from shared.errors import ErrorKind, RelayError
-from shared.events import (
-    AnyEvent,
-    DeltaEvent,
-    EndEvent,
-    ErrorEvent,
-    SegmentEvent,
-    StartEvent,
-    TranscriptEvent,
-    UsageCounts,
-)
+from shared.events import ErrorEvent, StartEvent
 from shared.job_lifecycle import Claim, JobLifecycle, JobState
 from shared.log_setup import log_transition
-from worker.audio.engine import TranscriptionWork, WindowResume
 from worker.engine.engine import RequestOutput
-from worker.engine.sequence import ResumeState
-from worker.requests.handlers import ImageBytes, JobHandler, TranscriptionHandler, Work
+from worker.kinds.base import Answer, JobHandler, JobInputs, W
 from worker.service.publisher import EventPublisher, PublishOutcome
 
 logger = logging.getLogger(__name__)
@@ -60,13 +41,15 @@ _HAND_BACK_TRIES = 10
 CONTRACT_GRACE_S = 60.0
 
 
-class JobRunner:
+class JobRunner(Generic[W]):
+    """Knows no worker kind: its handler turns each job into its engine's work."""
+
     def __init__(
         self,
         lifecycle: JobLifecycle,
         worker_id: str,
         model_id: str,
-        handler: JobHandler,
+        handler: JobHandler[W],
         publisher: EventPublisher,
         job_timeout_s: float,
         on_job_left: Callable[[], None] | None = None,
@@ -121,49 +104,37 @@ class JobRunner:
             return
         request_id = self._request_ids[job_id] = job.request_id
         log_transition(logger, "picked", job_id, request_id, worker=self._worker_id, attempt=claim.attempt)
-        if isinstance(job, TokenizeJob):
-            await self._tokenize(claim, job, done)
-            return
         try:
-            if isinstance(job, TranscriptionJob) and isinstance(self._handler, TranscriptionHandler):
-                work: Work = await self._prepare_window(claim, job, self._handler)
-            else:
-                resume = await self._resume_state(claim) if claim.next_seq > 0 else None
-                work = self._prepare(job, resume, await self._read_images(job))
+            if job.request.model != self._model_id:
+                raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
+            prepared = await self._handler.prepare(job, JobInputs(self._lifecycle, claim))
         except Exception as exc:
             await self._end_with(claim, self._refusal(exc, job_id, request_id))
             return
-        work.priority = max(priority, getattr(job.request, "priority", 0))
+        if isinstance(prepared, Answer):
+            await self._answer(claim, request_id, prepared, done)
+            return
+        work = prepared
+        work.priority = max(priority, work.priority)
         if claim.next_seq == 0:
             work.start_event = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=work.num_prompt_tokens)
-        self._engine.submit(work)  # type: ignore[arg-type]
+        self._engine.submit(work)
         log_transition(logger, "started", job_id, request_id, prompt_tokens=work.num_prompt_tokens)
         outcome = await self._wait(job_id, request_id, done)
         if outcome is PublishOutcome.LOST:
             self._engine.abort(job_id)
             await self._settle_loss(claim, request_id)
             return
-        completion_tokens = getattr(work, "num_completion_tokens", 0)
-        log_transition(logger, "finished", job_id, request_id, completion_tokens=completion_tokens)
+        log_transition(logger, "finished", job_id, request_id, completion_tokens=work.num_completion_tokens)
 
-    async def _tokenize(self, claim: Claim, job: TokenizeJob, done: asyncio.Future[PublishOutcome]) -> None:
-        """Answer in a start, one delta (ids and text) and an end event; the engine never sees the job."""
-        try:
-            if job.request.model != self._model_id:
-                raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
-            token_ids, text = self._handler.tokenize(job, await self._read_images(job))
-        except Exception as exc:
-            await self._end_with(claim, self._refusal(exc, claim.job_id, job.request_id))
-            return
-        count = len(token_ids)
-        events: list[AnyEvent] = [
-            StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=count),
-            DeltaEvent(seq=1, token_ids=token_ids, content=text),
-            EndEvent(seq=2, usage=UsageCounts(prompt_tokens=count, completion_tokens=0)),
-        ]
-        await self._publisher.publish(RequestOutput(claim.job_id, events, True))
-        await self._wait(claim.job_id, job.request_id, done)
-        log_transition(logger, "tokenized", claim.job_id, job.request_id, tokens=count)
+    async def _answer(
+        self, claim: Claim, request_id: str | None, answer: Answer, done: asyncio.Future[PublishOutcome]
+    ) -> None:
+        """A job answered without the engine: its start event, then the answer's events."""
+        start = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=answer.num_prompt_tokens)
+        await self._publisher.publish(RequestOutput(claim.job_id, [start, *answer.events], True))
+        await self._wait(claim.job_id, request_id, done)
+        log_transition(logger, "answered", claim.job_id, request_id, tokens=answer.num_prompt_tokens)
 
     async def _leave(self, claim: Claim, version: int) -> None:
         """A job in a newer contract version: back to its queue for a worker that reads it, or,
@@ -249,58 +220,6 @@ class JobRunner:
             exc = RelayError(ErrorKind.INTERNAL, "The worker failed to prepare this request.")
         log_transition(logger, "rejected", job_id, request_id, code=exc.spec.code or exc.kind.value)
         return exc
-
-    def _prepare(self, job: AnyJob, resume: ResumeState | None, images: ImageBytes) -> Work:
-        if job.request.model != self._model_id:
-            raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
-        return self._handler.prepare(job, resume, images)
-
-    async def _read_images(self, job: AnyJob) -> ImageBytes:
-        """The bytes of the images the job names (stored apart from it, see ``ImageRef``)."""
-        images: ImageBytes = {}
-        for ref in images_of(job):
-            if ref.sha256 not in images:
-                data = await self._lifecycle.read_image(ref.sha256)
-                if data is None:
-                    raise RelayError(ErrorKind.EXPIRED, "An image of this request expired before a worker took it.")
-                images[ref.sha256] = data
-        return images
-
-    async def _prepare_window(
-        self, claim: Claim, job: TranscriptionJob, handler: TranscriptionHandler
-    ) -> TranscriptionWork:
-        """A transcription window with its samples (kept apart from the job, see ``Transcribe``)
-        and, when an earlier attempt sent part of it, where to continue."""
-        if job.request.model != self._model_id:
-            raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
-        handler.check(job.request)
-        pcm = await self._lifecycle.read_audio(claim.job_id)
-        if pcm is None:
-            raise RelayError(ErrorKind.EXPIRED, "The audio of this job expired before a worker took it.")
-        resume = await self._window_resume(claim) if claim.next_seq > 0 else None
-        return handler.prepare_window(job, pcm, resume)
-
-    async def _window_resume(self, claim: Claim) -> WindowResume:
-        """What the window's earlier attempts sent, from its event log."""
-        segments: list[SegmentEvent] = []
-        has_transcript = False
-        for event in await self._lifecycle.read_log(claim.job_id):
-            if isinstance(event, SegmentEvent):
-                segments.append(event)
-            has_transcript = has_transcript or isinstance(event, TranscriptEvent)
-        num_tokens = sum(len(segment.tokens) for segment in segments)
-        return WindowResume(claim.next_seq, len(segments), num_tokens, has_transcript)
-
-    async def _resume_state(self, claim: Claim) -> ResumeState:
-        """What the job's earlier attempts sent, from its event log."""
-        sent: dict[int, list[int]] = {}
-        finished: set[int] = set()
-        for event in await self._lifecycle.read_log(claim.job_id):
-            if isinstance(event, DeltaEvent):
-                sent.setdefault(event.index, []).extend(event.token_ids)
-                if event.finish_reason is not None:
-                    finished.add(event.index)
-        return ResumeState(claim.next_seq, sent, frozenset(finished))
 
 
 def _created_s(payload: bytes) -> float | None:

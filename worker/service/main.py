@@ -5,31 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
-from functools import partial
+from typing import Any
 
-import torch
 from redis.exceptions import RedisError
 
 from shared.connection import RedisRefused, connect_redis, wait_for_redis
 from shared.job_lifecycle import Claim, JobLifecycle
 from shared.log_setup import configure_logging
 from shared.tasks import cancel_and_wait
-from worker.audio.engine import TranscriptionEngine
-from worker.audio.loader import LoadedWhisper, is_whisper_model, load_whisper
-from worker.embedding.engine import EmbeddingEngine
-from worker.embedding.loader import LoadedEmbedder, is_embedding_model, load_embedder
-from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
-from worker.engine.engine import LLMEngine
-from worker.engine.self_test import check_determinism
-from worker.models.loader import LoadedModel, load_model
-from worker.native.compiled_decode import CompiledDecode, can_compile
-from worker.native.decoder import NativeCausalLM
-from worker.requests.handlers import EmbeddingHandler, Engine, GenerationHandler, JobHandler, TranscriptionHandler
-from worker.requests.tooling import resolve_tooling
+from worker.kinds import make_kind
+from worker.kinds.base import Engine
 from worker.service.control import ControlListener
 from worker.service.engine_thread import EngineThread
 from worker.service.host_pool import HostPool
@@ -47,7 +35,7 @@ def make_consumer(
     settings: WorkerSettings,
     lifecycle: JobLifecycle,
     instance: str,
-    runner: JobRunner,
+    runner: JobRunner[Any],
     num_slots: int,
     queue: str,
     priority: int = 0,
@@ -77,109 +65,23 @@ class WorkerProcess:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.keys = settings.keys
-        self.task = resolve_task(settings)
         self.redis = connect_redis(settings.redis_target)
         self.lifecycle = JobLifecycle(self.redis, self.keys)
-        self.registration = WorkerRegistration(
-            self.redis, self.keys, settings.worker_id, settings.model_id, settings.heartbeat_interval_s, self.task,
-            cpus=cpu_set(), sizes_own_threads=settings.num_threads is None,
-        )  # fmt: skip
         self.publisher = EventPublisher(settings.redis_target, self.keys)
         # Before the model loads: this worker's share of the host's cores (refined once registered).
         initial_threads = settings.num_threads or available_cores()
-        if self.task == "embed":
-            self.engine_thread = EngineThread(self._load_embedder, self._build_embedding_engine, initial_threads)
-        elif self.task == "transcribe":
-            # CTranslate2 keeps the thread count it is loaded with.
-            load_audio = partial(load_whisper, settings.model, settings.cache_dir, settings.device, initial_threads)
-            self.engine_thread = EngineThread(load_audio, self._build_transcription_engine, initial_threads)
-        else:
-            self.engine_thread = EngineThread(self._load, self._build, initial_threads)
+        self.kind = make_kind(settings, self.publisher.sink, initial_threads)
+        self.registration = WorkerRegistration(
+            self.redis, self.keys, settings.worker_id, settings.model_id, settings.heartbeat_interval_s, self.kind.task,
+            cpus=cpu_set(), sizes_own_threads=settings.num_threads is None,
+        )  # fmt: skip
+        self.engine_thread = EngineThread(self.kind.start, initial_threads)
         self.host_pool = HostPool(
             self.redis, self.keys, self.registration.info, available_cores(), settings.num_threads,
             self.engine_thread.set_num_threads,
         )  # fmt: skip
         self._was_busy = False
         self._beats: set[asyncio.Task[None]] = set()
-
-    def _load(self) -> LoadedModel:
-        s = self.settings
-        return load_model(
-            s.model, s.cache_dir, s.device, s.dtype, s.max_model_len, s.model_impl, s.quantization,
-            deterministic=s.deterministic == "on",
-        )  # fmt: skip
-
-    def _build(self, loaded: LoadedModel) -> LLMEngine:
-        s = self.settings
-        config = EngineConfig(
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens or default_max_num_batched_tokens(loaded.model.device),
-            max_model_len=loaded.max_model_len,
-            kv_cache_bytes=int(s.kv_cache_memory_gib * 2**30),
-            prefix_cache_bytes=int(s.prefix_cache_memory_gib * 2**30),
-        )
-        engine = build_engine(loaded.model, loaded.tokenizer, config, loaded.eos_token_ids, self.publisher.sink)
-        self._test_determinism(loaded)
-        self._compile_decode(loaded, engine)
-        return engine
-
-    def _test_determinism(self, loaded: LoadedModel) -> None:
-        """Claim the deterministic promise only where the whole step keeps it on this machine."""
-        model = loaded.model
-        if not (isinstance(model, NativeCausalLM) and model.deterministic):
-            return
-        cores = len(os.sched_getaffinity(0))
-        result = check_determinism(model, loaded.tokenizer, loaded.eos_token_ids, {1, cores})
-        if result.holds:
-            logger.info("deterministic self-test passed in %.1f s (%s)", result.seconds, result.detail)
-        else:
-            logger.warning("--deterministic on: the self-test failed (%s), so this worker does not promise "
-                           "that a request's text is the same in any batch", result.detail)  # fmt: skip
-        self.registration.info.deterministic = result.holds
-
-    def _compile_decode(self, loaded: LoadedModel, engine: LLMEngine) -> None:
-        """Start building (or loading) the compiled one-row step (engine thread: its thread count)."""
-        s, model, cache = self.settings, loaded.model, engine.runner.cache
-        if s.compile_decode == "off" or not isinstance(model, NativeCausalLM) or model.device.type != "cpu":
-            return
-        if s.deterministic == "on":
-            # Alone, a row would run the compiled kernels; in a batch, the eager ones: other bits.
-            logger.info("--deterministic on: one stream's decode step stays eager (not compiled)")
-            return
-        if not can_compile():
-            logger.info("no C++ compiler on PATH: one stream's decode step stays eager")
-            return
-        build_args = [
-            "--model", s.model, "--cache-dir", str(s.cache_dir), "--device", "cpu", "--dtype", s.dtype,
-            "--max-model-len", str(loaded.max_model_len), "--model-impl", s.model_impl,
-            "--quantization", s.quantization, "--num-cache-slots", str(cache.keys[0].shape[0]),
-        ]  # fmt: skip
-        compiled = CompiledDecode(model, cache, s.cache_dir, build_args)
-        engine.runner.compiled = compiled
-        self.registration.compile_probe = lambda: compiled.state.value
-        compiled.start(torch.get_num_threads())
-
-    def _load_embedder(self) -> LoadedEmbedder:
-        return load_embedder(self.settings.model, self.settings.device, self.settings.dtype)
-
-    def _build_embedding_engine(self, embedder: LoadedEmbedder) -> EmbeddingEngine:
-        return EmbeddingEngine(embedder, self.publisher.sink)
-
-    def _build_transcription_engine(self, whisper: LoadedWhisper) -> TranscriptionEngine:
-        return TranscriptionEngine(whisper, self.publisher.sink)
-
-    def _handler(self, loaded: LoadedModel | LoadedEmbedder | LoadedWhisper, engine: Engine) -> JobHandler:
-        if isinstance(loaded, LoadedWhisper):
-            assert isinstance(engine, TranscriptionEngine)
-            return TranscriptionHandler(loaded, engine)
-        if isinstance(loaded, LoadedEmbedder):
-            assert isinstance(engine, EmbeddingEngine)
-            return EmbeddingHandler(loaded, engine)
-        assert isinstance(engine, LLMEngine)
-        s = self.settings
-        tooling = resolve_tooling(loaded.tokenizer, s.tool_parser, s.reasoning_parser, s.generic_tool_prompt)
-        logger.info("tool parser: %s, reasoning parser: %s", tooling.tool_parser, tooling.reasoning_parser)
-        return GenerationHandler(loaded, tooling, engine, s.max_tokens_over_context)
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
@@ -189,48 +91,49 @@ class WorkerProcess:
         self.registration.start()
         await self.host_pool.refresh()
         self.host_pool.start()
-        logger.info("worker %s registered for model %s (%s); loading", s.worker_id, s.model_id, self.task)
-        loaded, engine = await self.engine_thread.start()
-        handler = self._handler(loaded, engine)
+        logger.info("worker %s registered for model %s (%s); loading", s.worker_id, s.model_id, self.kind.task)
+        engine = await self.engine_thread.start()
         consumers: list[QueueConsumer] = []
+
+        def pause_consumers() -> None:
+            for consumer in consumers:
+                consumer.pause(_LEFT_JOB_PAUSE_S)
+
+        def wake_consumers(_data: bytes) -> None:
+            for consumer in consumers:
+                consumer.wake()
+
         runner = JobRunner(
-            self.lifecycle, s.worker_id, s.model_id, handler, self.publisher, s.job_timeout_s,
-            on_job_left=lambda: [consumer.pause(_LEFT_JOB_PAUSE_S) for consumer in consumers],
+            self.lifecycle, s.worker_id, s.model_id, self.kind.handler(), self.publisher, s.job_timeout_s,
+            on_job_left=pause_consumers,
         )  # fmt: skip
         consumers.extend(self._consumers(runner, engine))
         self.registration.jobs_probe = lambda: sum(consumer.num_jobs_running for consumer in consumers)
         listener = ControlListener(
             self.redis,
             {
-                self.keys.queue_wake_channel(s.model_id): lambda _data: [c.wake() for c in consumers],
+                self.keys.queue_wake_channel(s.model_id): wake_consumers,
                 self.keys.cancel_channel(): lambda data: runner.cancel(data.decode()),
             },
             sharded=self.keys.sharded_channels,
         )
         await listener.start()
-        if isinstance(loaded, LoadedWhisper):
-            max_len = 0  # windows, not tokens: the API cuts recordings into windows of at most 30 s
-            self.registration.info.english_only = not loaded.is_multilingual  # the API refuses what it cannot do
-        else:
-            max_len = loaded.max_input_tokens if isinstance(loaded, LoadedEmbedder) else loaded.max_model_len
-        if isinstance(loaded, LoadedModel) and loaded.vision is not None:
-            stats = loaded.vision.stats
-            self.registration.info.vision = True
-            self.registration.vision_probe = lambda: (
-                stats.images_encoded,
-                stats.image_cache_hits,
-                stats.encode_seconds,
-            )
-        self.registration.set_ready(engine.max_running, max_len, engine.load)
+        readiness = self.kind.describe(self.registration.info)
+        if readiness.compile_probe is not None:
+            self.registration.compile_probe = readiness.compile_probe
+        if readiness.vision_probe is not None:
+            self.registration.vision_probe = readiness.vision_probe
+        self.registration.set_ready(engine.max_running, readiness.max_input_len, engine.load)
         await self.registration.beat()
         consume = asyncio.gather(*(consumer.main() for consumer in consumers))
         logger.info(
             "worker %s ready: model %s (%s, %s), max length %d, max concurrency %d",
-            s.worker_id, s.model_id, self.task, loaded.source, max_len, engine.max_running,
+            s.worker_id, s.model_id, self.kind.task, readiness.source, readiness.max_input_len, engine.max_running,
         )  # fmt: skip
         stopped = asyncio.create_task(stop.wait())
         engine_exited = asyncio.create_task(self.engine_thread.exited())
-        await asyncio.wait({consume, stopped, engine_exited}, return_when=asyncio.FIRST_COMPLETED)
+        waiting: set[asyncio.Future[Any]] = {consume, stopped, engine_exited}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if consume.done() and consume.exception() is not None:
             logger.error("queue consumer failed: %r", consume.exception())
         if engine_exited.done():
@@ -249,9 +152,7 @@ class WorkerProcess:
         self.publisher.close()
         await self.redis.aclose()
 
-    def _consumers(
-        self, runner: JobRunner, engine: LLMEngine | EmbeddingEngine | TranscriptionEngine
-    ) -> list[QueueConsumer]:
+    def _consumers(self, runner: JobRunner[Any], engine: Engine[Any]) -> list[QueueConsumer]:
         """The model's interactive queue, and its batch queue: batch lines take only the slots
         interactive work leaves, never the reserved ones, and wait while requests queue in the engine."""
         s = self.settings
@@ -292,7 +193,7 @@ class WorkerProcess:
 
     async def _shutdown(
         self,
-        engine: LLMEngine | EmbeddingEngine | TranscriptionEngine,
+        engine: Engine[Any],
         consumers: list[QueueConsumer],
         consume: asyncio.Future[list[None]],
         listener: ControlListener,
@@ -344,11 +245,3 @@ async def serve(settings: WorkerSettings) -> None:
 def run_worker(settings: WorkerSettings) -> None:
     configure_logging(settings.log_level, settings.log_format)
     asyncio.run(serve(settings))
-
-
-def resolve_task(settings: WorkerSettings) -> str:
-    if settings.task != "auto":
-        return settings.task
-    if is_whisper_model(settings.model):
-        return "transcribe"
-    return "embed" if is_embedding_model(settings.model) else "generate"

@@ -1,0 +1,216 @@
+"""The generation worker: a causal LM behind the continuous-batching engine, for chat,
+text-completion and tokenize jobs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Literal, cast
+
+import torch
+
+from shared.contract import AnyJob, ChatJob, CompletionJob, TokenizeJob
+from shared.errors import ErrorKind, RelayError
+from shared.events import AnyEvent, DeltaEvent, EndEvent, UsageCounts
+from shared.registry import WorkerInfo, WorkerTask
+from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
+from worker.engine.detokenizer import Decoder
+from worker.engine.engine import LLMEngine, OutputSink
+from worker.engine.self_test import check_determinism
+from worker.engine.sequence import EngineRequest, ResumeState
+from worker.kinds.base import Answer, ImageBytes, JobInputs, Readiness, wrong_task
+from worker.models.loader import LoadedModel, load_model
+from worker.native.compiled_decode import CompiledDecode, can_compile
+from worker.native.decoder import NativeCausalLM
+from worker.requests.params import RequestLimits
+from worker.requests.prepare import chat_prompt_ids, prepare_chat, prepare_completion
+from worker.requests.tooling import ToolingConfig, resolve_tooling
+from worker.settings import WorkerSettings
+from worker.structured import ConstraintCompiler
+
+logger = logging.getLogger("relaylm.worker")
+
+
+class GenerationHandler:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        tooling: ToolingConfig,
+        engine: LLMEngine,
+        max_tokens_over_context: Literal["clamp", "error"] = "clamp",
+    ) -> None:
+        self.loaded = loaded
+        self.tooling = tooling
+        self.engine = engine
+        self.max_tokens_over_context = max_tokens_over_context
+        self._compiler: ConstraintCompiler | None = None
+
+    def get_compiler(self) -> ConstraintCompiler:
+        """Built on the first constrained request: its token trie takes about a second to make."""
+        if self._compiler is None:
+            self._compiler = ConstraintCompiler(
+                self.loaded.tokenizer, self.engine.runner.vocab_size, self.loaded.eos_token_ids
+            )
+        return self._compiler
+
+    async def prepare(self, job: AnyJob, inputs: JobInputs) -> EngineRequest | Answer:
+        if isinstance(job, TokenizeJob):
+            return self.tokenize(job, await inputs.images(job))
+        if not isinstance(job, ChatJob | CompletionJob):
+            raise wrong_task(job, "chat and text completions")
+        resume = _resume_state(inputs.claim.next_seq, await inputs.sent())
+        images = await inputs.images(job)
+        limits = RequestLimits(self.engine.max_running, self.max_tokens_over_context)
+        if isinstance(job, ChatJob):
+            request = prepare_chat(
+                job.job_id, job.request, self.loaded, self.tooling, limits, self.get_compiler, images
+            )
+        else:
+            request = prepare_completion(job.job_id, job.request, self.loaded, limits)
+        request.resume = resume
+        request.priority = job.request.priority
+        return request
+
+    def tokenize(self, job: TokenizeJob, images: ImageBytes) -> Answer:
+        """Its token ids and (detokenizing) their text, in one delta; the engine never sees the job."""
+        token_ids, text = self._tokens(job, images)
+        count = len(token_ids)
+        events: list[AnyEvent] = [
+            DeltaEvent(seq=1, token_ids=token_ids, content=text),
+            EndEvent(seq=2, usage=UsageCounts(prompt_tokens=count, completion_tokens=0)),
+        ]
+        return Answer(count, events)
+
+    def _tokens(self, job: TokenizeJob, images: ImageBytes) -> tuple[list[int], str | None]:
+        request, tokenizer = job.request, self.loaded.tokenizer
+        if request.tokens is not None:
+            vocab_size = self.loaded.vocab_size
+            outside = next((t for t in request.tokens if not 0 <= t < vocab_size), None)
+            if outside is not None:
+                message = f"Token id {outside} is outside this model's vocabulary [0, {vocab_size})."
+                raise RelayError(ErrorKind.INVALID_REQUEST, message, "tokens")
+            return request.tokens, cast(str, tokenizer.decode(request.tokens))  # one sequence: one string
+        if request.chat is not None:
+            return chat_prompt_ids(request.chat, self.loaded, self.tooling, images), None
+        return tokenizer.encode(request.prompt or "", add_special_tokens=request.add_special_tokens), None
+
+
+def _resume_state(next_seq: int, sent: list[AnyEvent] | None) -> ResumeState | None:
+    """Where an earlier attempt stopped: the tokens it sent per choice, and the choices it ended."""
+    if sent is None:
+        return None
+    tokens: dict[int, list[int]] = {}
+    finished: set[int] = set()
+    for event in sent:
+        if isinstance(event, DeltaEvent):
+            tokens.setdefault(event.index, []).extend(event.token_ids)
+            if event.finish_reason is not None:
+                finished.add(event.index)
+    return ResumeState(next_seq, tokens, frozenset(finished))
+
+
+class GenerateKind:
+    task: WorkerTask = "generate"
+
+    def __init__(self, settings: WorkerSettings, sink: OutputSink) -> None:
+        self.settings = settings
+        self._sink = sink
+        self._loaded: LoadedModel | None = None
+        self._engine: LLMEngine | None = None
+        self._deterministic: bool | None = None
+        self._compiled: CompiledDecode | None = None
+
+    def start(self) -> LLMEngine:
+        s = self.settings
+        loaded = self._loaded = load_model(
+            s.model, s.cache_dir, s.device, s.dtype, s.max_model_len, s.model_impl, s.quantization,
+            deterministic=s.deterministic == "on",
+        )  # fmt: skip
+        config = EngineConfig(
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens or default_max_num_batched_tokens(_device(loaded)),
+            max_model_len=loaded.max_model_len,
+            kv_cache_bytes=int(s.kv_cache_memory_gib * 2**30),
+            prefix_cache_bytes=int(s.prefix_cache_memory_gib * 2**30),
+        )
+        engine = self._engine = build_engine(loaded.model, _decoder(loaded), config, loaded.eos_token_ids, self._sink)
+        self._test_determinism(loaded)
+        self._compile_decode(loaded, engine)
+        return engine
+
+    def handler(self) -> GenerationHandler:
+        loaded, engine = self._started()
+        s = self.settings
+        tooling = resolve_tooling(loaded.tokenizer, s.tool_parser, s.reasoning_parser, s.generic_tool_prompt)
+        logger.info("tool parser: %s, reasoning parser: %s", tooling.tool_parser, tooling.reasoning_parser)
+        return GenerationHandler(loaded, tooling, engine, s.max_tokens_over_context)
+
+    def describe(self, info: WorkerInfo) -> Readiness:
+        loaded, _ = self._started()
+        if self._deterministic is not None:
+            info.deterministic = self._deterministic
+        compiled = self._compiled
+        readiness = Readiness(
+            loaded.max_model_len,
+            loaded.source,
+            compile_probe=(lambda: compiled.state.value) if compiled is not None else None,
+        )
+        if loaded.vision is None:
+            return readiness
+        info.vision = True
+        stats = loaded.vision.stats
+        return Readiness(
+            readiness.max_input_len,
+            readiness.source,
+            readiness.compile_probe,
+            vision_probe=lambda: (stats.images_encoded, stats.image_cache_hits, stats.encode_seconds),
+        )
+
+    def _started(self) -> tuple[LoadedModel, LLMEngine]:
+        assert self._loaded is not None and self._engine is not None, "the kind has not started"
+        return self._loaded, self._engine
+
+    def _test_determinism(self, loaded: LoadedModel) -> None:
+        """Claim the deterministic promise only where the whole step keeps it on this machine."""
+        model = loaded.model
+        if not (isinstance(model, NativeCausalLM) and model.deterministic):
+            return
+        cores = len(os.sched_getaffinity(0))
+        result = check_determinism(model, _decoder(loaded), loaded.eos_token_ids, {1, cores})
+        if result.holds:
+            logger.info("deterministic self-test passed in %.1f s (%s)", result.seconds, result.detail)
+        else:
+            logger.warning("--deterministic on: the self-test failed (%s), so this worker does not promise "
+                           "that a request's text is the same in any batch", result.detail)  # fmt: skip
+        self._deterministic = result.holds
+
+    def _compile_decode(self, loaded: LoadedModel, engine: LLMEngine) -> None:
+        """Start building (or loading) the compiled one-row step (engine thread: its thread count)."""
+        s, model, cache = self.settings, loaded.model, engine.runner.cache
+        if s.compile_decode == "off" or not isinstance(model, NativeCausalLM) or model.device.type != "cpu":
+            return
+        if s.deterministic == "on":
+            # Alone, a row would run the compiled kernels; in a batch, the eager ones: other bits.
+            logger.info("--deterministic on: one stream's decode step stays eager (not compiled)")
+            return
+        if not can_compile():
+            logger.info("no C++ compiler on PATH: one stream's decode step stays eager")
+            return
+        build_args = [
+            "--model", s.model, "--cache-dir", str(s.cache_dir), "--device", "cpu", "--dtype", s.dtype,
+            "--max-model-len", str(loaded.max_model_len), "--model-impl", s.model_impl,
+            "--quantization", s.quantization, "--num-cache-slots", str(cache.keys[0].shape[0]),
+        ]  # fmt: skip
+        compiled = self._compiled = CompiledDecode(model, cache, s.cache_dir, build_args)
+        engine.runner.compiled = compiled
+        compiled.start(torch.get_num_threads())
+
+
+def _decoder(loaded: LoadedModel) -> Decoder:
+    # transformers types decode as str | list[str]: one sequence of ids decodes to one string.
+    return cast(Decoder, loaded.tokenizer)
+
+
+def _device(loaded: LoadedModel) -> torch.device:
+    # Native and transformers models both name their device; nn.Module's typing cannot say so.
+    return cast(torch.device, loaded.model.device)
