@@ -19,6 +19,10 @@ from shared.registry import ModelRecord, WorkerInfo
 
 # A reading with a ready worker is reused this long, so a busy API does not read the registry per request.
 LIVE_ANSWER_REUSE_S = 0.5
+# A worker that reports holding no job this long after the last write under its claim of a job
+# that is still running has forgotten that job: a Redis failover lost the write that ended it (or
+# handed it back). Its claim is then no longer alive, and the job is settled as an orphan.
+FORGOTTEN_AFTER_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -100,14 +104,14 @@ class WorkerDirectory:
         return (await self.live_owners([record]))[record.job_id]
 
     async def live_owners(self, records: list[JobRecord]) -> dict[str, bool]:
-        """Job id → whether the worker process that claimed it still heartbeats. A worker restarted
-        under the same id is another process (another instance): its predecessor's jobs are orphans."""
+        """Job id → whether the worker process that claimed it still heartbeats and holds it. A
+        worker restarted under the same id is another process (another instance): its
+        predecessor's jobs are orphans; so are the jobs of a worker that says it holds none."""
         worker_ids = sorted({record.owner for record in records if record.owner})
         raw = await self._redis.mget([self._keys.worker(w) for w in worker_ids]) if worker_ids else []
-        instances = {w: WorkerInfo.model_validate_json(r).instance for w, r in zip(worker_ids, raw, strict=True) if r}
+        owners = {w: WorkerInfo.model_validate_json(r) for w, r in zip(worker_ids, raw, strict=True) if r}
         return {
-            record.job_id: record.owner is not None and instances.get(record.owner) == record.owner_instance
-            for record in records
+            record.job_id: record.owner is not None and _holds(owners.get(record.owner), record) for record in records
         }
 
     async def model_workers(self, model: str, fresh: bool = False) -> ModelWorkers:
@@ -160,3 +164,11 @@ class WorkerDirectory:
             f"No live worker serves model `{model}` right now; start one or retry later.",
             "model",
         )
+
+
+def _holds(owner: WorkerInfo | None, record: JobRecord) -> bool:
+    if owner is None or owner.instance != record.owner_instance:
+        return False
+    if "num_jobs" not in owner.model_fields_set:
+        return True  # a release that does not count its jobs
+    return owner.num_jobs > 0 or owner.heartbeat_at < record.updated_ms / 1000 + FORGOTTEN_AFTER_S

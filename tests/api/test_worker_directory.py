@@ -139,3 +139,33 @@ async def test_a_queued_job_fails_after_the_grace_while_its_models_only_worker_l
     assert record is not None and record.state is JobState.FAILED
     [error] = await lifecycle.read_log("j")
     assert isinstance(error, ErrorEvent) and error.kind is ErrorKind.NO_LIVE_WORKER
+
+
+async def test_a_running_jobs_owner_that_says_it_holds_no_job_has_forgotten_it(
+    registry: tuple[Redis, RedisKeys],
+) -> None:
+    """The write that ended a job can be lost in a Redis failover: the record still runs under a
+    live worker that finished it. Once that worker's heartbeat, well after the job's last write,
+    says it holds no job, the job is an orphan (and is continued elsewhere from its log)."""
+    redis, keys = registry
+    lifecycle = JobLifecycle(redis, keys)
+    directory = WorkerDirectory(redis, keys)
+    job = ChatJob(job_id="j", created=1, request=Generate(model=MODEL, messages=[Message(role="user", content="x")]))
+    await lifecycle.create("j", encode_job(job), MODEL, keys.queue(MODEL))
+    assert await lifecycle.claim(keys.queue(MODEL), "w", "w") is not None
+    record = await lifecycle.record("j")
+    assert record is not None and record.state is JobState.RUNNING
+    last_write_s = record.updated_ms / 1000
+
+    async def alive_when(heartbeat_at: float, num_jobs: int) -> bool:
+        info = _info("w", "ready").model_copy(update={"heartbeat_at": heartbeat_at, "num_jobs": num_jobs})
+        await _heartbeat(redis, keys, info)
+        return await directory.is_owner_alive(record)
+
+    assert await alive_when(last_write_s + 60, num_jobs=1)  # it holds jobs: this one may be among them
+    assert await alive_when(last_write_s + 1, num_jobs=0)  # its count may not yet include a fresh claim
+    assert not await alive_when(last_write_s + 6, num_jobs=0)
+    # An earlier release's worker does not count its jobs: its word is its heartbeat alone.
+    older = json.loads(_info("w", "ready").model_dump_json(exclude={"num_jobs"}))
+    await redis.set(keys.worker("w"), json.dumps(older | {"heartbeat_at": last_write_s + 60}), ex=30)
+    assert await directory.is_owner_alive(record)
