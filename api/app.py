@@ -13,9 +13,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from api.batches.file_store import FileStore
 from api.batches.runner import BatchRunner
 from api.batches.store import BatchStore
-from api.draining import DrainingMiddleware, drain_gate
+from api.draining import DrainingMiddleware
 from api.errors import install_error_handlers
 from api.images.loader import ImageLoader
+from api.images.request import ImageIntake
 from api.jobs.background_results import BackgroundResults
 from api.jobs.detached import DetachedJobs
 from api.jobs.event_router import EventRouter
@@ -42,6 +43,7 @@ from api.routes import (
     resume,
     tokenize,
 )
+from api.services import Services, drain_gate, install
 from api.settings import ApiSettings
 from api.tenancy import KeyRing
 from shared.connection import ReplicaAck, connect_redis
@@ -74,28 +76,38 @@ def create_app(settings: ApiSettings) -> FastAPI:
         router = EventRouter(redis, keys)
         directory = WorkerDirectory(redis, keys)
         await router.start()
-        app.state.settings = settings
-        app.state.redis = redis
-        app.state.directory = directory
-        app.state.metrics = app_metrics
-        replica_ack = app.state.replica_ack = ReplicaAck(
+        replica_ack = ReplicaAck(
             settings.redis_replica_wait_ms if settings.redis_target.is_replicated else 0,
             keys.replica_ack(),
             app_metrics.unreplicated_writes.inc,
         )
-        lifecycle = app.state.lifecycle = JobLifecycle(redis, keys, replica_ack)
-        submitter = app.state.submitter = JobSubmitter(lifecycle, keys, router, directory, settings, app_metrics)
-        files = app.state.files = FileStore(redis, keys, settings.file_retention_s, replica_ack)
-        batches = app.state.batches = BatchStore(redis, keys, settings.result_retention_s, replica_ack)
-        app.state.responses = ResponseStore(redis, keys, settings.result_retention_s)
-        app.state.images = ImageLoader(settings, app_metrics)
-        jobs = app.state.detached_jobs = DetachedJobs(lifecycle, settings.reasoning_field)
-        results = app.state.background_results = BackgroundResults(lifecycle, jobs, settings.result_retention_s)
+        lifecycle = JobLifecycle(redis, keys, replica_ack)
+        submitter = JobSubmitter(lifecycle, keys, router, directory, settings, app_metrics)
+        files = FileStore(redis, keys, settings.file_retention_s, replica_ack)
+        batches = BatchStore(redis, keys, settings.result_retention_s, replica_ack)
+        jobs = DetachedJobs(lifecycle, settings.reasoning_field)
+        results = BackgroundResults(lifecycle, jobs, settings.result_retention_s)
+        install(
+            app.state,
+            Services(
+                settings=settings,
+                redis=redis,
+                metrics=app_metrics,
+                directory=directory,
+                lifecycle=lifecycle,
+                submitter=submitter,
+                files=files,
+                batches=batches,
+                responses=ResponseStore(redis, keys, settings.result_retention_s),
+                images=ImageIntake(ImageLoader(settings, app_metrics), directory, files),
+                detached_jobs=jobs,
+                background_results=results,
+            ),
+        )
         housekeeper = Housekeeper(
             lifecycle, directory, results, settings.batch_poll_interval_s, settings.no_worker_grace_s
         )
         runner = BatchRunner(redis, keys, settings, batches, files, jobs, submitter, directory, lifecycle)
-        app.state.batch_runner = runner
         housekeeper.start()
         runner.start()
         logger.info("API ready; Redis at %s", settings.redis_target.describe())

@@ -15,7 +15,6 @@ from types import FrameType
 
 import uvicorn
 from sse_starlette.sse import AppStatus
-from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.errors import error_response
@@ -44,15 +43,6 @@ class DrainGate:
     def is_drained(self) -> bool:
         """Draining with nothing left to wait for: no request in flight, or the window is over."""
         return self.is_draining and (self.num_in_flight == 0 or time.monotonic() >= self._deadline)
-
-
-def drain_gate(app: Starlette) -> DrainGate:
-    """The app's one gate, made on first use: ``create_app`` gives it to the middleware and
-    ``run_api`` to the server."""
-    gate: DrainGate | None = getattr(app.state, "drain_gate", None)
-    if gate is None:
-        gate = app.state.drain_gate = DrainGate()
-    return gate
 
 
 class DrainingMiddleware:

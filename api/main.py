@@ -8,7 +8,8 @@ import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
 from api.app import create_app
-from api.draining import DrainingServer, drain_gate
+from api.draining import DrainingServer
+from api.services import drain_gate
 from api.settings import ApiSettings
 from shared.log_setup import configure_logging
 

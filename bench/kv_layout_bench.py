@@ -47,7 +47,9 @@ def full_context_scenario(
     base = {**engine_config(args, streams).__dict__, "max_model_len": max_model_len}
     result: dict[str, dict[str, float | None]] = {}
     for label in ("tokens", "slots"):
-        engine = InProcessEngine(loaded, EngineConfig(**{**base, "kv_held_by_tokens": label == "tokens"}))
+        engine = InProcessEngine(
+            loaded, EngineConfig(**{**base, "kv_layout": "auto" if label == "tokens" else "slots"})
+        )
         engine.run(bodies_for(texts[:1], 8))  # warm-up
         summary = summarize(label, streams, engine.run(bodies_for(texts[:streams], args.output_tokens)))
         result[label] = {"tok_s": summary.tok_s, "peak_running": engine.peak_running,

@@ -144,8 +144,9 @@ def kv_layout_scenario(loaded: Any, args: argparse.Namespace, texts: list[str], 
     """(b) at ``streams`` clients with the KV cache held by tokens (the default) and split into
     full-length slots (as before), alternated three times; the ratio is of the medians."""
     base = engine_config(args, streams).__dict__
-    engines = {label: InProcessEngine(loaded, EngineConfig(**{**base, "kv_held_by_tokens": label == "tokens"}))
-               for label in ("tokens", "slots")}  # fmt: skip
+    layouts = {"tokens": "auto", "slots": "slots"}
+    engines = {label: InProcessEngine(loaded, EngineConfig(**{**base, "kv_layout": layout}))
+               for label, layout in layouts.items()}  # fmt: skip
     tok_s = alternated(engines, bodies_for(texts[:streams], args.output_tokens))
     ratio = ratio_of_medians(tok_s, "tokens", "slots", f"KV held by tokens vs full-length slots at {streams} streams")
     return {"streams": streams, "tok_s_held_by_tokens": tok_s["tokens"], "tok_s_full_length_slots": tok_s["slots"],

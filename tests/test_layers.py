@@ -255,3 +255,49 @@ def test_worker_tasks_are_dispatched_in_one_place() -> None:
     assert {m for m in MODULES if m.startswith("worker.") and _compares_a_task(m)} == {"worker.kinds"}
     task_specific = ("worker.audio", "worker.embedding", "worker.models", "worker.native", "worker.requests")
     assert _importers("worker.service.", task_specific) == {}
+
+
+def _reads_app_state(module: str) -> bool:
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "state" and ast.unparse(node.value).endswith("app"):
+            return True
+    return False
+
+
+def test_app_state_is_read_only_by_the_wiring() -> None:
+    """Routes and helpers reach the API's services through ``api.services``, typed."""
+    assert {m for m in MODULES if m.startswith("api.") and _reads_app_state(m)} == {"api.app", "api.services"}
+
+
+_SETTING_HOLDERS = {"s", "settings", "self.settings", "info"}
+
+
+def _variant_reads(module: str) -> set[str]:
+    """Where ``module`` decides an engine variant itself: the exact numerics sniffed from a model,
+    or the memory's layout from the device."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Call):
+            called = ast.unparse(node.func)
+            if called == "getattr" and any(
+                isinstance(a, ast.Constant) and a.value == "deterministic" for a in node.args
+            ):
+                found.add("getattr(deterministic)")
+            if called.endswith("is_lazily_backed"):
+                found.add("is_lazily_backed()")
+        # Not the setting (s, settings) or the registry record (info): a model's own word.
+        holder = ast.unparse(node.value) if isinstance(node, ast.Attribute) else ""
+        if isinstance(node, ast.Attribute) and node.attr == "deterministic" and holder not in _SETTING_HOLDERS:
+            found.add(".deterministic")
+    return found
+
+
+def test_engine_variants_are_read_from_the_execution_plan() -> None:
+    """The engine, scheduler, sampler and the worker's kind read the plan; only the plan, the
+    loader (which makes the exact model) and the KV cache (which maps its own memory) look."""
+    readers = {m: reads for m in MODULES if m.startswith("worker.") and (reads := _variant_reads(m))}
+    assert readers == {
+        "worker.engine.plan": {".deterministic", "is_lazily_backed()"},
+        "worker.models.loader": {".deterministic"},
+        "worker.native.kv_cache": {"is_lazily_backed()"},
+    }

@@ -21,6 +21,7 @@ from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_response
 from api.render.transcript import Transcript
 from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, OpenApiResponses
+from api.services import services_of
 from api.wire.openai.audio import RESPONSE_FORMATS, TIMESTAMP_GRANULARITIES
 from shared.errors import ErrorKind, RelayError
 
@@ -79,7 +80,7 @@ async def create_translation(request: Request) -> Response:
 
 
 async def _serve(request: Request, translate: bool) -> Response:
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     settings = submitter.settings
     form = await read_form(request)
     try:

@@ -15,6 +15,7 @@ from api.jobs.background import job_summary
 from api.jobs.background_results import BackgroundResults
 from api.jobs.detached import DetachedJobs
 from api.routes.chat import ERROR_RESPONSES
+from api.services import services_of
 from api.tenancy import Tenant, tenant_of
 from shared.contract import ChatJob, decode_job
 from shared.errors import ErrorKind, RelayError
@@ -38,7 +39,7 @@ async def _background_job(lifecycle: JobLifecycle, job_id: str, tenant: Tenant) 
 
 async def _stored_result(request: Request, job_id: str) -> dict[str, Any] | None:
     """The kept result of an ended background job, if the asking key may see it (404 if not)."""
-    state = request.app.state
+    state = services_of(request)
     raw = await state.redis.get(state.settings.keys.job_result(job_id))
     if raw is None:
         return None
@@ -61,8 +62,7 @@ def _from_record(job_id: str, record: dict[str, Any], job: ChatJob | None) -> di
 
 @router.get("/v1/chat/completions/{job_id}", responses=ERROR_RESPONSES, summary="Poll a background chat completion")
 async def get_background(request: Request, job_id: str) -> dict[str, Any]:
-    state = request.app.state
-    redis, keys = state.redis, state.settings.keys
+    state = services_of(request)
     stored = await _stored_result(request, job_id)
     if stored is not None:
         return _from_record(job_id, stored, None)
@@ -74,7 +74,8 @@ async def get_background(request: Request, job_id: str) -> dict[str, Any]:
     results: BackgroundResults = state.background_results
     status = "completed" if current.outcome.succeeded else "failed"
     await results.store(job_id, status, current.outcome, job_summary(job, status), job.tenant)
-    return _from_record(job_id, json.loads(await redis.get(keys.job_result(job_id))), job)
+    stored = await _stored_result(request, job_id)
+    return job_summary(job, status) if stored is None else _from_record(job_id, stored, job)
 
 
 @router.post(
@@ -83,7 +84,7 @@ async def get_background(request: Request, job_id: str) -> dict[str, Any]:
     summary="Cancel a background chat completion",
 )
 async def cancel_background(request: Request, job_id: str) -> dict[str, Any]:
-    state = request.app.state
+    state = services_of(request)
     stored = await _stored_result(request, job_id)
     if stored is not None:
         return _from_record(job_id, stored, None)  # already over: nothing to cancel
@@ -98,7 +99,7 @@ async def cancel_background(request: Request, job_id: str) -> dict[str, Any]:
     "/v1/chat/completions/{job_id}", responses=ERROR_RESPONSES, summary="Delete a background chat completion"
 )
 async def delete_background(request: Request, job_id: str) -> dict[str, Any]:
-    state = request.app.state
+    state = services_of(request)
     redis, keys = state.redis, state.settings.keys
     if await _stored_result(request, job_id) is None:
         await _background_job(state.lifecycle, job_id, tenant_of(request))  # 404 unless it exists

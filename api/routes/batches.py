@@ -7,10 +7,9 @@ import uuid
 
 from fastapi import APIRouter, Query, Request
 
-from api.batches.file_store import FileStore
 from api.batches.store import BatchStore, StoredBatch
 from api.routes.chat import ERROR_RESPONSES
-from api.settings import ApiSettings
+from api.services import services_of
 from api.tenancy import tenant_of
 from api.wire.openai.batch import TERMINAL_STATUSES, Batch, BatchList, CreateBatchRequest
 from shared.errors import ErrorKind, RelayError
@@ -22,12 +21,12 @@ _CANCEL_LOCK_WAIT_S = 10.0
 
 
 def _store(request: Request) -> BatchStore:
-    return request.app.state.batches
+    return services_of(request).batches
 
 
 @router.post("/v1/batches", response_model=Batch, responses=ERROR_RESPONSES, summary="Create a batch")
 async def create_batch(body: CreateBatchRequest, request: Request) -> Batch:
-    files: FileStore = request.app.state.files
+    files = services_of(request).files
     tenant = tenant_of(request)
     input_file = await files.get(body.input_file_id, tenant)
     if input_file.purpose != "batch":
@@ -54,7 +53,7 @@ async def create_batch(body: CreateBatchRequest, request: Request) -> Batch:
 
 async def _check_line_limit(request: Request, num_lines: int, owner: str | None) -> None:
     """429 when the key's unfinished batches and this one would queue more lines than its limit."""
-    settings: ApiSettings = request.app.state.settings
+    settings = services_of(request).settings
     limit = settings.max_batch_lines_per_key
     if limit == 0 or owner is None:
         return

@@ -7,13 +7,13 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from api.images.request import load_images
 from api.jobs.background import submit_background
 from api.jobs.images import NO_IMAGES, JobImages
 from api.jobs.stream import ClientDisconnected, JobStream
 from api.jobs.submitter import JobSubmitter, SubmittableRequest
 from api.render.chat import collect_completion
 from api.render.chat_stream import sse_chunks, sse_response
+from api.services import services_of
 from api.settings import ApiSettings
 from api.tenancy import tenant_of
 from api.wire.openai.chat_request import ChatCompletionRequest, image_sources
@@ -82,9 +82,9 @@ async def start_stream(
     summary="Create a chat completion (OpenAI-compatible; SSE when stream=true)",
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     check_request_limits(body, submitter.settings)
-    images = await load_images(request, body.model, image_sources(body))
+    images = await services_of(request).images.load(tenant_of(request), body.model, image_sources(body))
     if body.background:
         return JSONResponse(await submit_background(submitter, body, request, images))
     stream = await start_stream(submitter, body, request, images)

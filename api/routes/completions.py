@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from api.jobs.stream import ClientDisconnected
-from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_response
 from api.render.completion import collect_text_completion, sse_completion_chunks
 from api.routes.chat import CLIENT_CLOSED_REQUEST, start_stream, with_errors
+from api.services import services_of
 from api.wire.openai.completion_request import CompletionRequest
 from api.wire.openai.completion_response import Completion
 
@@ -22,7 +22,7 @@ router = APIRouter()
     summary="Create a text completion (OpenAI-compatible; SSE when stream=true)",
 )
 async def create_completion(body: CompletionRequest, request: Request) -> Response | Completion:
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     stream = await start_stream(submitter, body, request)
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)

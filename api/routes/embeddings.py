@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from api.jobs.stream import ClientDisconnected
-from api.jobs.submitter import JobSubmitter
 from api.render.embeddings import collect_embeddings
 from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, start_stream
+from api.services import services_of
 from api.wire.openai.embeddings import EmbeddingRequest, EmbeddingResponse
 
 router = APIRouter()
@@ -20,7 +20,7 @@ router = APIRouter()
     summary="Create embeddings (OpenAI-compatible)",
 )
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response | EmbeddingResponse:
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     stream = await start_stream(submitter, body, request)
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from api.batches.file_store import FileStore
 from api.routes.chat import ERROR_RESPONSES, with_errors
+from api.services import services_of
 from api.tenancy import tenant_of
 from api.wire.openai.batch import FileDeleted, FileList, FileObject
 from shared.errors import ErrorKind, RelayError
@@ -18,7 +19,7 @@ router = APIRouter()
 
 
 def _store(request: Request) -> FileStore:
-    return request.app.state.files
+    return services_of(request).files
 
 
 @router.post("/v1/files", response_model=FileObject, responses=ERROR_RESPONSES, summary="Upload a file")

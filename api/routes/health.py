@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
-from api.jobs.worker_directory import WorkerDirectory
+from api.services import services_of
 
 router = APIRouter()
 
@@ -23,9 +23,9 @@ async def health() -> dict[str, str]:
     responses={503: {"description": "Not ready: Redis unreachable, or no ready worker for the model"}},
 )
 async def ready(request: Request, model: str | None = None) -> JSONResponse:
-    directory: WorkerDirectory = request.app.state.directory
+    directory = services_of(request).directory
     try:
-        await request.app.state.redis.ping()
+        await services_of(request).redis.ping()
         records = await directory.model_records()
         models = [model] if model else [record.model for record in records]
         ready_models = {}

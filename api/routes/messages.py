@@ -13,13 +13,13 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
 from api.errors import translation_error
-from api.images.request import load_images
 from api.jobs.build import chat_generate
-from api.jobs.submitter import JobSubmitter
 from api.render.anthropic import collect_message, message_events
 from api.render.chat_stream import sse_response
 from api.routes.chat import CLIENT_CLOSED_REQUEST, OpenApiResponses, check_request_limits, start_stream
 from api.routes.tokenize import run_tokenize
+from api.services import services_of
+from api.tenancy import tenant_of
 from api.wire.anthropic import (
     AnthropicErrorResponse,
     CountTokensRequest,
@@ -54,10 +54,10 @@ class TokenCount(BaseModel):
 async def count_message_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
     """The prompt a worker would render for the same request (system, messages, tools), counted
     by that worker's tokenizer: equal to the ``usage.input_tokens`` the request reports."""
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     chat = chat_request_of(body)
     check_request_limits(chat, submitter.settings)
-    images = await load_images(request, chat.model, image_sources(body))
+    images = await services_of(request).images.load(tenant_of(request), chat.model, image_sources(body))
     tokenize = Tokenize(model=chat.model, chat=chat_generate(chat, images=images.refs))
     token_ids, _ = await run_tokenize(request, tokenize, images)
     return TokenCount(input_tokens=len(token_ids))
@@ -69,10 +69,10 @@ async def count_message_tokens(body: CountTokensRequest, request: Request) -> To
     summary="Create a message (Anthropic Messages API; SSE when stream=true)",
 )
 async def create_message(body: MessagesRequest, request: Request) -> Any:
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     chat = chat_request_of(body)
     check_request_limits(chat, submitter.settings)
-    images = await load_images(request, chat.model, image_sources(body))
+    images = await services_of(request).images.load(tenant_of(request), chat.model, image_sources(body))
     stream = await start_stream(submitter, chat, request, images)
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -7,13 +7,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
+from api.services import services_of
 
 router = APIRouter()
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
-    state = request.app.state
+    state = services_of(request)
     await refresh_workers(state.metrics, state.directory)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from api.jobs.worker_directory import WorkerDirectory
+from api.services import services_of
 from api.wire.openai.models import ModelCard, ModelList
 
 router = APIRouter()
@@ -12,7 +12,7 @@ router = APIRouter()
 
 @router.get("/v1/models", response_model=ModelList, summary="List the models live or loading workers serve")
 async def list_models(request: Request) -> ModelList:
-    directory: WorkerDirectory = request.app.state.directory
+    directory = services_of(request).directory
     cards = []
     for record in sorted(await directory.model_records(), key=lambda r: r.model):
         reading = await directory.model_workers(record.model, fresh=True)

@@ -16,15 +16,14 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import TypeAdapter
 
 from api.errors import translation_error
-from api.images.request import load_images
 from api.jobs.build import make_job
 from api.jobs.images import JobImages
-from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_response
 from api.render.events import EventReplay
 from api.render.responses import ResponseBuilder, collect_response, response_events
 from api.response_store import ResponseStore, StoredResponse
 from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, check_request_limits, start_stream, with_errors
+from api.services import services_of
 from api.tenancy import Tenant, tenant_of
 from api.wire.openai.chat_request import ChatCompletionRequest
 from api.wire.responses import InputItem, ResponsesRequest, image_sources, to_chat_request
@@ -37,7 +36,7 @@ _ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
 
 def _store(request: Request) -> ResponseStore:
-    store: ResponseStore = request.app.state.responses
+    store = services_of(request).responses
     return store
 
 
@@ -69,7 +68,7 @@ def _finished(stored: StoredResponse, final: dict[str, Any]) -> StoredResponse:
     summary="Create a model response (OpenAI Responses API; SSE when stream=true)",
 )
 async def create_response(body: ResponsesRequest, request: Request) -> Any:
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     tenant = tenant_of(request)
     earlier: list[dict[str, Any]] = []
     if body.previous_response_id:
@@ -77,7 +76,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     history = _ITEMS.validate_python(earlier)
     chat = _chat_request(body, history)
     check_request_limits(chat, submitter.settings)
-    images = await load_images(request, chat.model, image_sources(body, history))
+    images = await services_of(request).images.load(tenant_of(request), chat.model, image_sources(body, history))
     if body.background:
         return await _start_background(body, chat, earlier, request, images)
     stream = await start_stream(submitter, chat, request, images)
@@ -109,7 +108,7 @@ async def _start_background(
     also follows its events (and may leave and replay them later)."""
     if not body.store:
         raise RelayError(ErrorKind.INVALID_REQUEST, "background responses must be stored (store=true)", "store")
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     tenant = tenant_of(request)
     await submitter.directory.require_worker(chat.model)
     # Resumable: a client that stops reading the stream leaves the job running.
@@ -137,7 +136,7 @@ async def _current(request: Request, stored: StoredResponse) -> StoredResponse:
     """A background response as its job stands now; once the job ended, its final form is stored."""
     if stored.is_final or stored.job_id is None or stored.request is None:
         return stored
-    lifecycle: JobLifecycle = request.app.state.lifecycle
+    lifecycle = services_of(request).lifecycle
     record = await lifecycle.record(stored.job_id)
     body = ResponsesRequest.model_validate(stored.request)
     builder = ResponseBuilder(body, stored.job_id, created_at=stored.response["created_at"])
@@ -174,7 +173,7 @@ async def _replayed(lifecycle: JobLifecycle, stored: StoredResponse, builder: Re
 async def _stream_background(request: Request, stored: StoredResponse, tenant: Tenant, starting_after: int) -> Any:
     """The response's events from the start (the SDK needs ``response.created`` first), without
     those up to ``starting_after``; live until it ends."""
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     assert stored.job_id is not None and stored.request is not None
     body = ResponsesRequest.model_validate(stored.request)
     stream = await submitter.attach(stored.job_id, None, tenant)
@@ -213,7 +212,7 @@ async def cancel_response(request: Request, response_id: str) -> dict[str, Any]:
         return stored.response
     if stored.job_id is None:
         raise RelayError(ErrorKind.INVALID_REQUEST, "Only a background response can be cancelled.", "response_id")
-    lifecycle: JobLifecycle = request.app.state.lifecycle
+    lifecycle = services_of(request).lifecycle
     await lifecycle.cancel([stored.job_id])
     return (await _current(request, stored)).response
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Header, Request
 from sse_starlette import EventSourceResponse
 
-from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_chunks, sse_response
 from api.render.completion import sse_completion_chunks
 from api.routes.chat import with_errors
+from api.services import services_of
 from api.tenancy import tenant_of
 from shared.contract import ChatJob, CompletionJob
 from shared.errors import ErrorKind, RelayError
@@ -30,7 +30,7 @@ def _last_event_id(header: str | None, query: int | None) -> int | None:
 
 
 async def _attach(request: Request, job_id: str, last_event_id: int | None, kind: type) -> EventSourceResponse:
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     stream = await submitter.attach(job_id, last_event_id, tenant_of(request))
     if not isinstance(stream.job, kind):
         await stream.close()

@@ -8,14 +8,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, NonNegativeInt, model_validator
 
-from api.images.request import load_images
 from api.jobs.build import chat_generate, tokenize_job
 from api.jobs.images import NO_IMAGES, JobImages
 from api.jobs.stream import ClientDisconnected
-from api.jobs.submitter import JobSubmitter
-from api.jobs.worker_directory import WorkerDirectory
 from api.render.accumulator import JobResult, collect
 from api.routes.chat import ERROR_RESPONSES
+from api.services import services_of
 from api.tenancy import tenant_of
 from api.wire.openai.chat_request import ChatCompletionRequest, ChatMessage, ToolDefinition, image_sources
 from shared.contract import Tokenize
@@ -66,7 +64,7 @@ class DetokenizeResponse(BaseModel):
 async def run_tokenize(request: Request, tokenize: Tokenize, images: JobImages = NO_IMAGES) -> tuple[list[int], str]:
     """The token ids (and, detokenizing, the text) one of the model's workers answers with;
     ``images``: those the chat's messages name, loaded."""
-    submitter: JobSubmitter = request.app.state.submitter
+    submitter = services_of(request).submitter
     state = request.state
     job = tokenize_job(tokenize, state.request_id, state.request_id_is_ours, tenant_of(request).owner)
     stream = await submitter.submit_job(job, request.is_disconnected, images=images.data)
@@ -86,14 +84,14 @@ async def tokenize(body: TokenizeBody, request: Request) -> TokenizeResponse:
         chat = ChatCompletionRequest(
             model=body.model, messages=body.messages, tools=body.tools, chat_template_kwargs=body.chat_template_kwargs
         )
-        images = await load_images(request, body.model, image_sources(chat))
+        images = await services_of(request).images.load(tenant_of(request), body.model, image_sources(chat))
         tokenize_request = Tokenize(model=body.model, chat=chat_generate(chat, images=images.refs))
     else:
         images = NO_IMAGES
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         tokenize_request = Tokenize(model=body.model, prompt=body.prompt, add_special_tokens=add_special)
     token_ids, _ = await run_tokenize(request, tokenize_request, images)
-    directory: WorkerDirectory = request.app.state.directory
+    directory = services_of(request).directory
     limits = {record.model: record.max_model_len for record in await directory.model_records()}
     return TokenizeResponse(count=len(token_ids), max_model_len=limits.get(body.model, 0), tokens=token_ids)
 

@@ -35,13 +35,14 @@ MODEL = "qwen2.5-coder-0.5b-instruct"
 SECRET = "PELICAN"
 PROMPT = "Call the read_file tool on notes.txt, then tell me the secret word in it."
 # The CLI's first prompt (its system prompt and tools) is about 16k tokens, a cold prefill. The
-# fixture times a 1k-token prefill on the host as the test will find it and extrapolates, with
-# attention's share growing with the length (1.6x the per-token cost at 16k for this model). On
-# two quiet AVX-512 cores the forecast is about 3 minutes; with a busy loop and other tests beside
-# the suite on a 2-core EPYC, the first prefill outlasted the CLI's eight minutes.
+# fixture times a 1.5k-token prefill on the host as the test will find it and extrapolates, with
+# attention's share growing with the length: on a 2-core AMD EPYC (AVX-512) the 1.5k-token prompt
+# took 6.3 ms a token and the CLI's 16k-token one 14.2 ms (2.25x). There the whole run took about
+# 4 minutes; with a busy loop and other tests beside the suite, the first prefill outlasted the
+# CLI's eight minutes. Past the limit the test is skipped, saying the forecast.
 CLI_PROMPT_TOKENS = 16_100
-LONG_PROMPT_COST = 1.6
-PREFILL_LIMIT_S = 300.0
+LONG_PROMPT_COST = 2.3
+PREFILL_LIMIT_S = 330.0
 ROUTES = {"openai": "/v1/chat/completions", "openai-responses": "/v1/responses", "anthropic": "/v1/messages"}
 
 
@@ -57,7 +58,7 @@ def agent_stack(redis_url: str, log_dir: Path) -> Iterator[Stack]:
         if forecast_s > PREFILL_LIMIT_S:
             pytest.skip(
                 f"a 16k-token prefill would take about {forecast_s:.0f} s on this host as it is now (over "
-                f"{PREFILL_LIMIT_S:.0f} s, timed on a 1k-token prompt): too busy for the CLI's time"
+                f"{PREFILL_LIMIT_S:.0f} s, timed on a 1.5k-token prompt): too busy for the CLI's time"
             )
         yield stack
     finally:
@@ -65,7 +66,7 @@ def agent_stack(redis_url: str, log_dir: Path) -> Iterator[Stack]:
 
 
 def _cli_prefill_forecast_s(stack: Stack) -> float:
-    """The CLI's first prefill, forecast from a timed 1k-token one (a prompt no cache holds)."""
+    """The CLI's first prefill, forecast from a timed 1.5k-token one (a prompt no cache holds)."""
     words = " ".join(f"w{i}" for i in range(400))
     started = time.monotonic()
     response = stack.client().chat.completions.create(

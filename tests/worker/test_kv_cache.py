@@ -122,7 +122,7 @@ def test_the_default_budget_and_context_run_64_short_streams_or_a_7000_token_pro
     )
     assert num_slots_for_budget(layout, engine_config.max_model_len, engine_config.kv_cache_bytes) == 21
     for prompts, expected in [([60] * 64, 64), ([7000] + [60] * 32, 33)]:
-        cache, budget = _kv_cache_and_budget(layout, engine_config)
+        cache, budget = _kv_cache_and_budget(layout, engine_config, "tokens")
         scheduler = Scheduler(cache.num_slots, 64, engine_config.max_num_batched_tokens, budget=budget)
         for i, length in enumerate(prompts):
             scheduler.add(make_seq(SamplingParams(max_new_tokens=200), list(range(length)), f"r{i}"))

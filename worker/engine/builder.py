@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -12,12 +13,12 @@ from worker.engine.engine import LLMEngine, OutputSink
 from worker.engine.host_allocator import keep_freed_memory
 from worker.engine.kv_blocks import KVBlockBudget
 from worker.engine.model_runner import ModelRunner
+from worker.engine.plan import ExecutionPlan, KVLayout, resolve_plan
 from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from worker.engine.sampling_state import SlotSamplingState
 from worker.engine.scheduler import Scheduler
 from worker.engine.shared_prefix import SharedPrefixes
-from worker.native.decoder import NativeCausalLM
-from worker.native.kv_cache import KVCacheLayout, SlotKVCache, block_tokens, is_lazily_backed
+from worker.native.kv_cache import KVCacheLayout, SlotKVCache, block_tokens
 from worker.native.model_config import text_config
 
 logger = logging.getLogger(__name__)
@@ -41,12 +42,14 @@ class EngineConfig:
     max_model_len: int
     kv_cache_bytes: int
     prefix_cache_bytes: int = 0
-    # False: the budget split into full-length slots even where memory could follow the tokens
-    # (how every engine ran before; `make bench` compares the two).
-    kv_held_by_tokens: bool = True
-    # False: cached prefixes are copied into each sequence's slot even where they could be held
-    # once (how every engine ran before; `make bench-kv` compares the two).
+    # For a benchmark's comparison only (see plan.py): "slots" splits the budget into full-length
+    # slots even where memory could follow the tokens (`make bench` compares the two); False
+    # copies cached prefixes into each slot even where they could be held once (`make bench-kv`).
+    kv_layout: Literal["auto", "slots"] = "auto"
     share_prefixes: bool = True
+
+    def plan_for(self, model: torch.nn.Module, device: torch.device, compiled_step: bool = False) -> ExecutionPlan:
+        return resolve_plan(model, device, self.prefix_cache_bytes, self.kv_layout, self.share_prefixes, compiled_step)
 
 
 def build_engine(
@@ -55,16 +58,19 @@ def build_engine(
     config: EngineConfig,
     eos_token_ids: frozenset[int],
     sink: OutputSink,
+    plan: ExecutionPlan | None = None,
 ) -> LLMEngine:
+    """``plan``: resolved by the worker (with its compiled step); by default from ``config``."""
     param = next(model.parameters())
     if param.device.type == "cpu":
         keep_freed_memory()
+    plan = plan or config.plan_for(model, param.device)
     layout = KVCacheLayout.from_config(text_config(model.config), param.dtype, param.device)
-    sharing = _shares_prefixes(model, layout, config)
+    sharing = plan.prefix_policy == "shared"
     # Prefix slots are virtual memory until written: room for every running sequence's chain and
     # as many again that none reads (an agent's earlier turns, branches), within the idle budget.
     num_prefix_slots = _PREFIX_SLOTS_PER_SEQ * config.max_num_seqs if sharing else 0
-    cache, budget = _kv_cache_and_budget(layout, config, num_prefix_slots=num_prefix_slots)
+    cache, budget = _kv_cache_and_budget(layout, config, plan.kv_layout, num_prefix_slots=num_prefix_slots)
     num_slots = cache.num_slots
     held = "held by tokens" if cache.held_by_tokens else "in full-length slots"
     logger.info(
@@ -89,7 +95,7 @@ def build_engine(
             "up to %d blocks of %d tokens (%.2f GiB) kept while none reads them",
             idle_blocks, budget.block_tokens, config.prefix_cache_bytes / 2**30,
         )  # fmt: skip
-    else:
+    elif plan.prefix_policy == "copy":
         num_blocks = config.prefix_cache_bytes // (layout.bytes_per_token * BLOCK_SIZE)
         if num_blocks > 0:
             prefix_cache = PrefixCache(layout, num_blocks)
@@ -100,34 +106,20 @@ def build_engine(
         prefixes=prefixes, prefix_cache=prefix_cache,
     )  # fmt: skip
     return LLMEngine(
-        runner, scheduler, sampling_state, tokenizer, eos_token_ids, config.max_model_len, sink, prefix_cache
-    )
-
-
-def _shares_prefixes(model: torch.nn.Module, layout: KVCacheLayout, config: EngineConfig) -> bool:
-    """Prefixes are held once (``shared_prefix.py``) where the slots are held by tokens and the
-    native decoder attends to them; elsewhere the prefix cache copies blocks into each slot.
-    The deterministic forward copies too: attention over a prefix held apart is two softmaxes
-    joined, which gives other bits than one softmax over the keys of a cold prefill."""
-    return (
-        config.share_prefixes
-        and not getattr(model, "deterministic", False)
-        and config.prefix_cache_bytes > 0
-        and config.kv_held_by_tokens
-        and is_lazily_backed(layout.device)
-        and isinstance(model, NativeCausalLM)
-    )
+        runner, scheduler, sampling_state, tokenizer, eos_token_ids, config.max_model_len, sink, prefix_cache,
+        exact_sums=plan.is_exact,
+    )  # fmt: skip
 
 
 def _kv_cache_and_budget(
-    layout: KVCacheLayout, config: EngineConfig, num_prefix_slots: int = 0
+    layout: KVCacheLayout, config: EngineConfig, kv_layout: KVLayout, num_prefix_slots: int = 0
 ) -> tuple[SlotKVCache, KVBlockBudget]:
     """Where slots take memory only for the tokens they hold (the CPU), there is a slot per
     ``--max-num-seqs`` and the budget is counted in blocks; elsewhere (CUDA) the budget is split
     into full-length slots as before, and the block count never binds."""
     tokens_per_block = block_tokens(layout)
     block_bytes = tokens_per_block * layout.bytes_per_token
-    if config.kv_held_by_tokens and is_lazily_backed(layout.device):
+    if kv_layout == "tokens":
         budget = KVBlockBudget(max(1, config.kv_cache_bytes // block_bytes), tokens_per_block)
         if not budget.fits_alone(config.max_model_len):
             raise ValueError(_too_small(layout, config))

@@ -72,13 +72,14 @@ class LLMEngine:
         max_model_len: int,
         sink: OutputSink,
         prefix_cache: PrefixCache | None = None,
+        exact_sums: bool = False,
     ) -> None:
+        """``exact_sums``: the plan's exact numerics (the sampler sums in the kernels' fixed order)."""
         self.runner = runner
         self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer
         self.sampling_state = sampling_state
-        # The deterministic forward's sampler sums in the exact kernels' fixed order too.
-        self.sampler = Sampler(sampling_state, eos_token_ids, exact_sums=getattr(runner.model, "deterministic", False))
+        self.sampler = Sampler(sampling_state, eos_token_ids, exact_sums=exact_sums)
         self.scheduler = scheduler
         self.output_processor = OutputProcessor(eos_token_ids, max_model_len)
         self.max_model_len = max_model_len

@@ -126,16 +126,23 @@ class GenerateKind:
             s.model, s.cache_dir, s.device, s.dtype, s.max_model_len, s.model_impl, s.quantization,
             deterministic=s.deterministic == "on",
         )  # fmt: skip
+        device = _device(loaded)
         config = EngineConfig(
             max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens or default_max_num_batched_tokens(_device(loaded)),
+            max_num_batched_tokens=s.max_num_batched_tokens or default_max_num_batched_tokens(device),
             max_model_len=loaded.max_model_len,
             kv_cache_bytes=int(s.kv_cache_memory_gib * 2**30),
             prefix_cache_bytes=int(s.prefix_cache_memory_gib * 2**30),
         )
-        engine = self._engine = build_engine(loaded.model, _decoder(loaded), config, loaded.eos_token_ids, self._sink)
-        self._test_determinism(loaded)
-        self._compile_decode(loaded, engine)
+        plan = config.plan_for(loaded.model, device, compiled_step=self._wants_compiled_step())
+        logger.info("execution plan: %s", plan.describe())
+        engine = self._engine = build_engine(
+            loaded.model, _decoder(loaded), config, loaded.eos_token_ids, self._sink, plan
+        )
+        if plan.is_exact:
+            self._test_determinism(loaded)
+        if plan.compiled_step:
+            self._compile_decode(loaded, engine)
         return engine
 
     def handler(self) -> GenerationHandler:
@@ -170,13 +177,25 @@ class GenerateKind:
         assert self._loaded is not None and self._engine is not None, "the kind has not started"
         return self._loaded, self._engine
 
+    def _wants_compiled_step(self) -> bool:
+        """The compiled one-row step, unless a setting or the machine rules it out (the plan
+        then decides whether this model can have it)."""
+        s = self.settings
+        if s.compile_decode == "off":
+            return False
+        if s.deterministic == "on":
+            # Alone, a row would run the compiled kernels; in a batch, the eager ones: other bits.
+            logger.info("--deterministic on: one stream's decode step stays eager (not compiled)")
+            return False
+        if not can_compile():
+            logger.info("no C++ compiler on PATH: one stream's decode step stays eager")
+            return False
+        return True
+
     def _test_determinism(self, loaded: LoadedModel) -> None:
         """Claim the deterministic promise only where the whole step keeps it on this machine."""
-        model = loaded.model
-        if not (isinstance(model, NativeCausalLM) and model.deterministic):
-            return
         cores = len(os.sched_getaffinity(0))
-        result = check_determinism(model, _decoder(loaded), loaded.eos_token_ids, {1, cores})
+        result = check_determinism(loaded.model, _decoder(loaded), loaded.eos_token_ids, {1, cores})
         if result.holds:
             logger.info("deterministic self-test passed in %.1f s (%s)", result.seconds, result.detail)
         else:
@@ -187,15 +206,7 @@ class GenerateKind:
     def _compile_decode(self, loaded: LoadedModel, engine: LLMEngine) -> None:
         """Start building (or loading) the compiled one-row step (engine thread: its thread count)."""
         s, model, cache = self.settings, loaded.model, engine.runner.cache
-        if s.compile_decode == "off" or not isinstance(model, NativeCausalLM) or model.device.type != "cpu":
-            return
-        if s.deterministic == "on":
-            # Alone, a row would run the compiled kernels; in a batch, the eager ones: other bits.
-            logger.info("--deterministic on: one stream's decode step stays eager (not compiled)")
-            return
-        if not can_compile():
-            logger.info("no C++ compiler on PATH: one stream's decode step stays eager")
-            return
+        assert isinstance(model, NativeCausalLM), "the plan compiles native models only"
         build_args = [
             "--model", s.model, "--cache-dir", str(s.cache_dir), "--device", "cpu", "--dtype", s.dtype,
             "--max-model-len", str(loaded.max_model_len), "--model-impl", s.model_impl,

@@ -352,7 +352,7 @@ def load_model(
             source, model_impl, torch_dtype, torch_device, quantization, deterministic
         )
         vision = _load_vision(
-            source, tokenizer, torch_dtype, torch_device, bool(getattr(forward, "deterministic", False))
+            source, tokenizer, torch_dtype, torch_device, isinstance(forward, NativeCausalLM) and forward.deterministic
         )
     except OSError as exc:
         raise ModelLoadError(f"cannot load model {model!r}: {exc}") from exc
