@@ -252,6 +252,7 @@ def _sampling(request: SamplingFields, max_tokens: int | None, max_tokens_param:
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
         stop=request.stop_sequences,
+        include_stop_str_in_output=request.include_stop_str_in_output,
         stop_token_ids=list(request.stop_token_ids or ()),
         skip_special_tokens=request.skip_special_tokens,
     )

@@ -8,16 +8,20 @@ process boundary, so changing a wire schema never changes what workers read.
 
 The payload is stored in the job's record (``RedisKeys.job``, field ``request``); queues carry
 only the job id. It is JSON, not msgpack: tool schemas are arbitrary JSON, whose integers may
-exceed msgpack's 64 bits. Every payload names its ``version``:
+exceed msgpack's 64 bits. Every payload names its ``version``. The models are this release's
+(``job.py``), and the contract grows by fields that say since which version they exist:
 
-- a reader upgrades an older version it knows (version 2, whose messages are text only; version
-  1, the OpenAI-shaped jobs of earlier releases, by :mod:`shared.contract.v1`) and refuses a
-  newer one with :class:`NewerContract`, which a worker answers by leaving the job to a worker that reads it;
+- a reader upgrades an older version it supports (each step a frozen function of the payload
+  alone) and refuses a newer one with :class:`NewerContract`, which a worker answers by leaving
+  the job to a worker that reads it;
 - a writer writes the newest version every live worker of the job's model reads (workers say
-  which in their registry record), so an API and workers one release apart interoperate in
-  either order of upgrade;
-- within a version nothing changes: every model forbids unknown fields, so a payload is read
-  exactly or not at all, never misread. A change of shape is a new version.
+  which in their registry record): the job with the newer fields left out where they hold their
+  defaults, or not at all where they do not (``since.py``), so an API and workers one release
+  apart interoperate in either order of upgrade.
+
+Support: a release reads and writes every version back to ``OLDEST_VERSION``, the version of the
+release before the one that added the newest; job records live a day (``RedisKeys``), so a fleet
+upgraded one release at a time never holds a job older than that.
 
 ``delivery`` is how the answer reaches the client (stream, usage chunk, echo, encoding); API
 processes read it to render the job's events, workers ignore it.
@@ -26,35 +30,41 @@ processes read it to render the job's events, workers ignore it.
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter, ValidationError
 
-from shared.contract.v1 import downgrade_to_v1, upgrade_v1
-from shared.contract.v2 import Delivery, Embed, OutputFormat, Sampling, Tool, ToolCall, ToolChoice, Transcribe
-from shared.contract.v3 import (
+from shared.contract.job import (
     VERSION,
     AnyJob,
     ChatJob,
     CompletionJob,
+    Delivery,
+    Embed,
     EmbeddingJob,
     Generate,
     ImagePart,
     ImageRef,
     Message,
+    OutputFormat,
     Part,
+    Sampling,
     TextPart,
     Tokenize,
     TokenizeJob,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    Transcribe,
     TranscriptionJob,
-    downgrade_to_v2,
     images_of,
-    upgrade_v2,
 )
+from shared.contract.since import written_for
 
 __all__ = [
     "CONTRACT_VERSION",
-    "OLDEST_READABLE_VERSION",
+    "OLDEST_VERSION",
     "AnyJob",
     "ChatJob",
     "CompletionJob",
@@ -86,7 +96,20 @@ __all__ = [
 
 CONTRACT_VERSION = VERSION
 """The version this code writes and the newest it reads."""
-OLDEST_READABLE_VERSION = 1
+OLDEST_VERSION = 2
+"""The oldest version this code reads, and writes for a reader of an older release."""
+
+
+def _renumbered(data: dict[str, Any], version: int) -> dict[str, Any]:
+    return {**data, "version": version}
+
+
+# Version n's payload as version n + 1. Frozen: a version that only adds fields (or new forms of
+# a value) reads every payload of the one before it as it is.
+_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    2: lambda data: _renumbered(data, 3),  # 3 adds image parts
+    3: lambda data: _renumbered(data, 4),  # 4 adds Sampling.include_stop_str_in_output
+}
 
 
 class UnreadableJob(ValueError):
@@ -106,18 +129,13 @@ _job_adapter: TypeAdapter[AnyJob] = TypeAdapter(Annotated[AnyJob, Field(discrimi
 
 def encode_job(job: AnyJob, version: int = CONTRACT_VERSION) -> bytes:
     """``version``: the newest every reader of the job reads (an older one while a worker of the
-    older release is live for its model)."""
+    older release is live for its model); ``ValueError`` for a job that version cannot carry."""
     if version == CONTRACT_VERSION:
         return job.model_dump_json().encode()
-    if version == 2:
-        return json.dumps(downgrade_to_v2(job), ensure_ascii=False).encode()
-    if version == 1:
-        if isinstance(job, TranscriptionJob):
-            raise ValueError("version 1 has no transcription jobs")
-        if images_of(job):
-            raise ValueError("version 1 has no images")
-        return json.dumps(downgrade_to_v1(job), ensure_ascii=False).encode()
-    raise ValueError(f"cannot write job contract version {version}")
+    if not OLDEST_VERSION <= version < CONTRACT_VERSION:
+        raise ValueError(f"cannot write job contract version {version} (this release writes {OLDEST_VERSION} to "
+                         f"{CONTRACT_VERSION})")  # fmt: skip
+    return json.dumps({**written_for(job, version), "version": version}, ensure_ascii=False).encode()
 
 
 def payload_version(data: object) -> int:
@@ -125,14 +143,15 @@ def payload_version(data: object) -> int:
     if not isinstance(data, dict):
         raise UnreadableJob("a job payload is a JSON object")
     version = data.get("version", 1)
-    if not isinstance(version, int) or isinstance(version, bool) or version < OLDEST_READABLE_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise UnreadableJob(f"unknown job contract version {version!r}")
     return version
 
 
 def decode_job(payload: bytes) -> AnyJob:
     """The job, upgraded to this version; :class:`NewerContract` for a version written by newer
-    code, :class:`UnreadableJob` for anything else that is not a job."""
+    code, :class:`UnreadableJob` for anything else that is not a job (an older version than
+    ``OLDEST_VERSION`` included)."""
     try:
         data = json.loads(payload)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -140,13 +159,11 @@ def decode_job(payload: bytes) -> AnyJob:
     version = payload_version(data)
     if version > CONTRACT_VERSION:
         raise NewerContract(version)
-    if version == 1:
-        try:
-            data = upgrade_v1(data)
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-            raise UnreadableJob(f"not a version-1 job: {exc!r}") from None
-    if version <= 2:
-        data = upgrade_v2(data)
+    if version < OLDEST_VERSION:
+        raise UnreadableJob(f"job contract version {version}; this process reads {OLDEST_VERSION} and newer")
+    while version < CONTRACT_VERSION:
+        data = _UPGRADES[version](data)
+        version += 1
     try:
         return _job_adapter.validate_python(data)
     except ValidationError as exc:

@@ -1,5 +1,6 @@
-"""The job contract: versioned decode (this version, version 1 as its release wrote it, newer
-versions refused), and one engine request per content whichever entry point built the job."""
+"""The job contract: versioned decode (this version, version 3 as the previous release wrote it,
+older and newer versions refused), writing for older readers by the fields' versions, and one
+engine request per content whichever entry point built the job."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from api.wire.responses import ResponsesRequest
 from api.wire.responses import to_chat_request as responses_to_chat
 from shared.contract import (
     CONTRACT_VERSION,
+    OLDEST_VERSION,
     AnyJob,
     ChatJob,
     Generate,
@@ -37,14 +39,16 @@ from shared.contract import (
 )
 from shared.errors import RelayError
 
-V1_JOBS: dict[str, dict[str, Any]] = json.loads(
-    (Path(__file__).parent / "fixtures" / "contract_v1_jobs.json").read_text()
+# Payloads the previous release wrote (version 3), each with the wire request it came from
+# (fixtures/write_contract_v3_jobs.py).
+V3_JOBS: dict[str, dict[str, Any]] = json.loads(
+    (Path(__file__).parent / "fixtures" / "contract_v3_jobs.json").read_text()
 )
 _IDS = {"job_id": "j", "request_id": "r", "created": 1764000000, "tenant": "owner-1"}
 
 
-def _v2_job(kind: str, wire: dict[str, Any]) -> AnyJob:
-    """The job today's API builds from the wire request a version-1 API turned into ``payload``."""
+def _job(kind: str, wire: dict[str, Any]) -> AnyJob:
+    """The job today's API builds from the wire request the previous release turned into ``payload``."""
     if kind == "tokenize":
         chat = wire.get("chat")
         fields = {key: value for key, value in wire.items() if key != "chat"}
@@ -56,31 +60,31 @@ def _v2_job(kind: str, wire: dict[str, Any]) -> AnyJob:
     return job.model_copy(update=_IDS)
 
 
-@pytest.mark.parametrize("name", sorted(V1_JOBS))
-def test_a_version_1_job_reads_as_the_job_this_api_builds(name: str) -> None:
-    case = V1_JOBS[name]
+@pytest.mark.parametrize("name", sorted(V3_JOBS))
+def test_a_version_3_job_reads_as_the_job_this_api_builds(name: str) -> None:
+    case = V3_JOBS[name]
     upgraded = decode_job(case["payload"].encode())
-    assert upgraded.model_copy(update=_IDS) == _v2_job(case["kind"], case["wire"])
+    assert upgraded.model_copy(update=_IDS) == _job(case["kind"], case["wire"])
 
 
-@pytest.mark.parametrize("name", sorted(V1_JOBS))
+@pytest.mark.parametrize("name", sorted(V3_JOBS))
 def test_this_version_round_trips(name: str) -> None:
-    case = V1_JOBS[name]
-    job = _v2_job(case["kind"], case["wire"])
+    case = V3_JOBS[name]
+    job = _job(case["kind"], case["wire"])
     payload = encode_job(job)
     assert json.loads(payload)["version"] == CONTRACT_VERSION
     assert decode_job(payload) == job
 
 
 def test_big_integers_in_tool_schemas_survive() -> None:
-    job = decode_job(V1_JOBS["chat_json_schema"]["payload"].encode())
+    job = decode_job(V3_JOBS["chat_json_schema"]["payload"].encode())
     assert isinstance(job, ChatJob) and job.request.output is not None
     schema = job.request.output.json_schema
     assert schema is not None and schema["properties"]["n"]["maximum"] == 123456789012345678901234567890
 
 
 def test_a_newer_version_is_refused_not_misread() -> None:
-    payload = json.loads(encode_job(_v2_job("chat", V1_JOBS["chat_minimal"]["wire"])))
+    payload = json.loads(encode_job(_job("chat", V3_JOBS["chat_minimal"]["wire"])))
     with pytest.raises(NewerContract) as raised:
         decode_job(json.dumps({**payload, "version": CONTRACT_VERSION + 1}).encode())
     assert raised.value.version == CONTRACT_VERSION + 1
@@ -104,7 +108,7 @@ def test_what_is_not_a_job_is_unreadable(payload: bytes) -> None:
 
 def test_a_field_this_version_does_not_have_is_refused() -> None:
     """Within a version nothing is ignored: a payload with an unknown field is not read at all."""
-    payload = json.loads(encode_job(_v2_job("chat", V1_JOBS["chat_minimal"]["wire"])))
+    payload = json.loads(encode_job(_job("chat", V3_JOBS["chat_minimal"]["wire"])))
     payload["request"]["sampling"]["typical_p"] = 0.5
     with pytest.raises(UnreadableJob):
         decode_job(json.dumps(payload).encode())
@@ -199,80 +203,83 @@ def test_what_needs_no_tokenizer_is_refused_at_the_edge(fields: dict[str, Any], 
     max_tokens=st.one_of(st.none(), st.integers(1, 10_000)),
     content=st.text(max_size=40),
 )
-def test_any_sampling_round_trips_and_matches_version_1(
+def test_any_sampling_round_trips_and_reads_back_from_the_previous_version(
     temperature: float, top_k: int, seed: int | None, stop: Any, max_tokens: int | None, content: str
 ) -> None:
     """Property: whatever the sampling fields, this version's encoding reads back as itself, and
-    the version-1 encoding of the same request reads as the same job."""
+    so does the encoding for a reader of the previous release."""
     wire = {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": temperature,
             "top_k": top_k, "seed": seed, "stop": stop, "max_tokens": max_tokens}  # fmt: skip
     job = make_job(ChatCompletionRequest.model_validate(wire), "r", True).model_copy(update=_IDS)
     assert decode_job(encode_job(job)) == job
-    v1 = {**_IDS, "kind": "chat", "request": wire}
-    assert decode_job(json.dumps(v1).encode()) == job
+    assert decode_job(encode_job(job, CONTRACT_VERSION - 1)) == job
 
 
-# -- writing version 1 for workers of that release -------------------------------------------------
-
-_WIRE_MODELS = {"chat": ChatCompletionRequest, "completion": CompletionRequest, "embedding": EmbeddingRequest}
+# -- writing for readers of older releases ------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(V1_JOBS))
-def test_a_job_written_in_version_1_reads_back_as_itself(name: str) -> None:
-    case = V1_JOBS[name]
-    job = _v2_job(case["kind"], case["wire"])
-    payload = encode_job(job, version=1)
-    assert "version" not in json.loads(payload)
-    assert decode_job(payload) == job
+@pytest.mark.parametrize("version", range(OLDEST_VERSION, CONTRACT_VERSION))
+@pytest.mark.parametrize("name", sorted(V3_JOBS))
+def test_a_text_job_is_written_for_an_older_reader_and_read_back_as_itself(name: str, version: int) -> None:
+    job = _job(V3_JOBS[name]["kind"], V3_JOBS[name]["wire"])
+    payload = json.loads(encode_job(job, version))
+    assert payload["version"] == version
+    assert decode_job(json.dumps(payload).encode()) == job
 
 
-@pytest.mark.parametrize("name", sorted(V1_JOBS))
-def test_version_1_as_written_is_a_valid_request_of_that_release(name: str) -> None:
-    """What a worker of version 1 validates: the OpenAI request models it shares with the API."""
-    case = V1_JOBS[name]
-    request = json.loads(encode_job(_v2_job(case["kind"], case["wire"]), version=1))["request"]
-    if case["kind"] == "tokenize":
-        if request["chat"] is not None:
-            ChatCompletionRequest.model_validate(request["chat"])
-    else:
-        _WIRE_MODELS[case["kind"]].model_validate(request)
+@pytest.mark.parametrize("name", sorted(V3_JOBS))
+def test_written_for_version_3_it_is_what_the_previous_release_wrote(name: str) -> None:
+    """Field for field, so a worker of that release reads it as its own."""
+    case = V3_JOBS[name]
+    job = decode_job(case["payload"].encode())
+    assert json.loads(encode_job(job, 3)) == json.loads(case["payload"])
 
 
-def test_version_1_cannot_say_a_priority_its_queue_says() -> None:
-    line = make_job(ChatCompletionRequest.model_validate(_CHAT), "r", True, priority=BATCH)
-    assert decode_job(encode_job(line, version=1)).request.priority == 0  # type: ignore[union-attr]
+def test_a_field_newer_than_the_reader_is_written_only_at_its_default() -> None:
+    """``include_stop_str_in_output`` exists since version 4: left out for a version-3 reader while
+    false, and a job that sets it is not written for that reader (its text would differ)."""
+    wire = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stop": ["."]}
+    plain = make_job(ChatCompletionRequest.model_validate(wire), "r", True)
+    assert "include_stop_str_in_output" not in json.loads(encode_job(plain, 3))["request"]["sampling"]
+    included = make_job(ChatCompletionRequest.model_validate({**wire, "include_stop_str_in_output": True}), "r", True)
+    assert _generate(included).sampling.include_stop_str_in_output
+    assert decode_job(encode_job(included)) == included
+    with pytest.raises(ValueError, match="include_stop_str_in_output"):
+        encode_job(included, 3)
+
+
+def test_versions_outside_the_supported_range_are_neither_read_nor_written() -> None:
+    job = _job("chat", V3_JOBS["chat_minimal"]["wire"])
+    for version in (OLDEST_VERSION - 1, CONTRACT_VERSION + 1):
+        with pytest.raises(ValueError, match="cannot write"):
+            encode_job(job, version)
+    # A version-1 payload (the OpenAI request itself, no version): older than this release reads.
+    with pytest.raises(UnreadableJob, match="version 1"):
+        decode_job(json.dumps({**_IDS, "kind": "chat", "request": V3_JOBS["chat_minimal"]["wire"]}).encode())
 
 
 _IMAGE = ImageRef(sha256="ab" * 32, media_type="image/png", width=64, height=48)
 
 
 def _image_chat_job() -> ChatJob:
-    text = _v2_job("chat", V1_JOBS["chat_minimal"]["wire"])
+    text = _job("chat", V3_JOBS["chat_minimal"]["wire"])
     assert isinstance(text, ChatJob) and text.request.messages
     content = [TextPart(text="Look:"), ImagePart(image=_IMAGE), TextPart(text="What is it?")]
     messages = [text.request.messages[0].model_copy(update={"content": content})]
     return text.model_copy(update={"request": text.request.model_copy(update={"messages": messages})})
 
 
-@pytest.mark.parametrize("name", sorted(V1_JOBS))
-def test_a_text_job_is_written_for_a_version_2_worker_and_read_back_as_itself(name: str) -> None:
-    job = _v2_job(V1_JOBS[name]["kind"], V1_JOBS[name]["wire"])
-    payload = json.loads(encode_job(job, 2))
-    assert payload["version"] == 2
-    assert decode_job(json.dumps(payload).encode()) == job
-
-
 def test_an_image_job_round_trips_and_older_versions_refuse_to_carry_it() -> None:
     job = _image_chat_job()
     assert images_of(job) == [_IMAGE]
     assert decode_job(encode_job(job)) == job
-    for version in (1, 2):
-        with pytest.raises(ValueError, match="images"):
-            encode_job(job, version)
+    with pytest.raises(ValueError, match="images"):
+        encode_job(job, 2)
+    assert decode_job(encode_job(job, 3)) == job
 
 
 def test_a_version_2_reader_could_not_misread_an_image_job() -> None:
     """Images change the shape of a message: a version-2 reader refuses such a payload by its version."""
     payload = json.loads(encode_job(_image_chat_job()))
-    assert payload["version"] == 3
+    assert payload["version"] == CONTRACT_VERSION
     assert isinstance(payload["request"]["messages"][0]["content"], list)

@@ -14,8 +14,10 @@ def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool, list[str]]:
     return _run_matched(stops, deltas)[:3]
 
 
-def _run_matched(stops: list[str], deltas: list[str]) -> tuple[str, bool, list[str], str | None]:
-    checker = StopStringChecker(stops)
+def _run_matched(
+    stops: list[str], deltas: list[str], include: frozenset[str] = frozenset()
+) -> tuple[str, bool, list[str], str | None]:
+    checker = StopStringChecker(stops, include)
     emitted: list[str] = []
     for delta in deltas:
         emitted.append(checker.push(delta))
@@ -69,6 +71,10 @@ def test_any_split_gives_the_text_before_the_first_stop(text: str, stops: list[s
         assert emitted == text
         assert matched is None
     assert not any(s in emitted for s in stops)
+    # Asked to keep the stop strings: the same cut, after the stop instead of before it.
+    kept, kept_stopped, _, kept_matched = _run_matched(stops, deltas, frozenset(stops))
+    assert (kept_stopped, kept_matched) == (stopped, matched)
+    assert kept == (text[: first[0]] if matches else text)
 
 
 def test_the_stop_completing_first_wins_over_an_earlier_longer_one() -> None:
@@ -79,3 +85,9 @@ def test_the_stop_completing_first_wins_over_an_earlier_longer_one() -> None:
 def test_the_matched_stop_is_named() -> None:
     assert _run_matched(["xyz", "b"], ["a ", "b xyz"])[3] == "b"
     assert _run_matched(["xyz"], ["no match"])[3] is None
+
+
+def test_only_the_included_stops_stay_in_the_text() -> None:
+    """A tool-call plan's markup stops are never kept, whatever the request asked for its own."""
+    assert _run_matched(["</tool>", "."], ["a.b"], frozenset({"."}))[0] == "a."
+    assert _run_matched(["</tool>", "."], ["a</tool>b"], frozenset({"."}))[0] == "a"

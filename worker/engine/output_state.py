@@ -21,6 +21,7 @@ class OutputState:
         self, params: SamplingParams, tokenizer: Decoder, make_pipeline: Callable[[], TextPipeline] | None
     ) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
-        self.stop_checker = StopStringChecker(params.stop_strings + params.markup_stop_strings)
+        included = frozenset(params.stop_strings) if params.include_stop_str_in_output else frozenset()
+        self.stop_checker = StopStringChecker(params.stop_strings + params.markup_stop_strings, included)
         self.pipeline = make_pipeline() if make_pipeline is not None else None
         self.unsent_token_ids: list[int] = []  # generated since the last delta event

@@ -18,6 +18,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     min_new_tokens: int = 0
     stop_strings: tuple[str, ...] = ()  # the request's own: a match is reported as the stop reason
+    include_stop_str_in_output: bool = False  # a matched request stop string stays in the text
     markup_stop_strings: tuple[str, ...] = ()  # added by the tool-call plan; end the text, never reported
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False

@@ -1,12 +1,15 @@
-"""Stop strings over a stream of text deltas: the stop text is never emitted, partial matches are
-held back until they either complete (stop) or cannot (release)."""
+"""Stop strings over a stream of text deltas: the stop text is not emitted (unless the request
+asked for it: ``include``), partial matches are held back until they either complete (stop) or
+cannot (release)."""
 
 from __future__ import annotations
 
 
 class StopStringChecker:
-    def __init__(self, stop_strings: tuple[str, ...] | list[str]) -> None:
+    def __init__(self, stop_strings: tuple[str, ...] | list[str], include: frozenset[str] = frozenset()) -> None:
+        """``include``: stop strings that end the text with themselves rather than before."""
         self._stops = tuple(s for s in stop_strings if s)
+        self._include = include
         self._held = ""
         self.is_stopped = False
         self.matched: str | None = None  # the stop string that ended the text
@@ -21,7 +24,7 @@ class StopStringChecker:
             match_at, self.matched = match
             self._held = ""
             self.is_stopped = True
-            return pending[:match_at]
+            return pending[: match_at + len(self.matched) if self.matched in self._include else match_at]
         keep = self._longest_partial_suffix(pending)
         self._held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep]

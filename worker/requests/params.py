@@ -76,6 +76,7 @@ def build_sampling_params(
         max_new_tokens=requested if requested is not None else room,
         min_new_tokens=request.min_tokens,
         stop_strings=tuple(request.stop),
+        include_stop_str_in_output=request.include_stop_str_in_output,
         stop_token_ids=frozenset(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,

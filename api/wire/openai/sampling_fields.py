@@ -43,6 +43,9 @@ class SamplingFields(BaseModel):
         default=None, description="Extension: extra token ids that end a choice."
     )
     skip_special_tokens: bool = Field(default=True, description="Extension: drop special tokens from the text.")
+    include_stop_str_in_output: bool = Field(
+        default=False, description="Extension: a matched stop string ends the text instead of being cut from it."
+    )
     resumable: bool = Field(
         default=False,
         description="Extension: keep generating when the client disconnects, so it can reconnect with Last-Event-ID.",

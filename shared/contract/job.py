@@ -1,16 +1,27 @@
-"""Version 2 of the job contract: the engine-native request and the job around it.
+"""The job contract as this release writes it: the engine-native request and the job around it.
 
-Every model forbids unknown fields, so a payload of this version is read exactly or not at all.
-A change of shape is a new version (a module beside this one, and an upgrade from this one).
+The contract grows by fields. Each field, or new form of a field's value, added after version 2
+says since which version it exists (``Since``, ``since.py``); a payload for an older reader is
+this one with those fields left out while they hold their defaults, and a job whose values need a
+newer version is not written for an older reader at all. Every model forbids unknown fields, so
+a payload is read exactly or not at all, never misread.
+
+| version | adds |
+|---|---|
+| 2 | the engine-native request; messages are text only |
+| 3 | chat messages that carry images (``Message.content`` as text and image parts) |
+| 4 | ``Sampling.include_stop_str_in_output`` |
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-VERSION = 2
+from shared.contract.since import Since
+
+VERSION = 4
 
 
 class _Contract(BaseModel):
@@ -28,14 +39,48 @@ class ToolCall(_Contract):
     arguments: str = Field(description="The arguments as JSON text, as the model produced them.")
 
 
+class ImageRef(_Contract):
+    """An image the API fetched, decoded and stored; its bytes are ``RedisKeys.image(sha256)``,
+    which is also what the worker's caches key it by."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Of the image's bytes as stored.")
+    media_type: str = Field(description="What Pillow decoded it as, e.g. image/png.")
+    width: int = Field(ge=1)
+    height: int = Field(ge=1)
+
+
+class TextPart(_Contract):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ImagePart(_Contract):
+    type: Literal["image"] = "image"
+    image: ImageRef
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+def _has_parts(content: object) -> bool:
+    return not isinstance(content, str)
+
+
 class Message(_Contract):
-    """One chat turn, in the roles chat templates know; text parts are already joined."""
+    """One chat turn, in the roles chat templates know: its text (text parts already joined), or,
+    when it holds an image, its text and image parts in order."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: Annotated[str | list[Part], Since(3, needs=_has_parts, what="images")]
     tool_calls: list[ToolCall] = Field(default_factory=list)
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    @property
+    def images(self) -> list[ImageRef]:
+        if isinstance(self.content, str):
+            return []
+        return [part.image for part in self.content if isinstance(part, ImagePart)]
 
 
 class Tool(_Contract):
@@ -78,6 +123,9 @@ class Sampling(_Contract):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: list[str] = Field(default_factory=list)
+    include_stop_str_in_output: Annotated[bool, Since(4)] = Field(
+        default=False, description="A matched stop string ends the text instead of being cut from it."
+    )
     stop_token_ids: list[int] = Field(default_factory=list)
     skip_special_tokens: bool = True
 
@@ -103,6 +151,11 @@ class Generate(_Contract):
     @property
     def n(self) -> int:
         return self.sampling.n
+
+    @property
+    def images(self) -> list[ImageRef]:
+        """Every image of the conversation, in order (repeats included)."""
+        return [image for message in self.messages or [] for image in message.images]
 
     @property
     def is_constrained(self) -> bool:
@@ -171,7 +224,7 @@ class Delivery(_Contract):
 
 
 class _Job(_Contract):
-    version: Literal[2] = 2
+    version: Literal[4] = 4
     job_id: str = Field(description="Also the response id, e.g. chatcmpl-… or cmpl-….")
     request_id: str | None = Field(default=None, description="X-Request-Id, for following the job through logs.")
     created: int = Field(description="Unix seconds, the `created` of every chunk.")
@@ -218,3 +271,13 @@ class TranscriptionJob(_Job):
 
 
 AnyJob = ChatJob | CompletionJob | EmbeddingJob | TokenizeJob | TranscriptionJob
+
+
+def images_of(job: AnyJob) -> list[ImageRef]:
+    """The images a job's worker reads from Redis."""
+    request = job.request
+    if isinstance(request, Generate):
+        return request.images
+    if isinstance(request, Tokenize) and request.chat is not None:
+        return request.chat.images
+    return []
