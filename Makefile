@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
+TEST_PROCESSES ?= 2
 CLUSTER_SUITES := tests/e2e/test_chat_openai_client.py tests/e2e/test_batches.py tests/e2e/test_responses_api.py
 
 .PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
@@ -28,7 +29,8 @@ $(INSTALLED): pyproject.toml scripts/install-torch.sh
 serve: $(INSTALLED)
 	$(VENV)/bin/relaylm serve $(foreach model,$(MODEL) $(MODELS),--model $(model)) $(ARGS)
 
-## The whole suite: lint and type-check (mypy: api/, shared/ and worker/), then unit, integration and end-to-end tests,
+## The whole suite: lint and type-check (mypy: api/, shared/ and worker/), then unit, integration and end-to-end tests
+## (two at a time, each process on a core of its own; those that need every core after them, alone),
 ## then the chat, batch and Responses end-to-end suites on a Redis Cluster (the audio tests' Debian packages,
 ## pocketsphinx-testdata and espeak-ng, are installed first when missing).
 test: $(INSTALLED)
@@ -36,7 +38,9 @@ test: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest $(PYTEST_ARGS)
+	# In TEST_PROCESSES processes, each pinned to a core of its own; then the modules marked `alone` (tests/conftest.py).
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile -m "not alone" $(PYTEST_ARGS)
+	$(PY) -m pytest -m alone $(PYTEST_ARGS) || test $$? -eq 5  # 5: PYTEST_ARGS picked none of them
 	# The chat, batch and Responses end-to-end suites again, every stack on a 3-primary Redis Cluster.
 	$(PY) -m pytest --redis-cluster $(CLUSTER_SUITES)
 

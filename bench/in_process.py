@@ -19,6 +19,7 @@ from bench.stats import StreamTrace
 from shared.events import DeltaEvent, EndEvent
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine, RequestOutput
+from worker.engine.shared_prefix import SharedPrefixes
 from worker.models.loader import LoadedModel
 from worker.requests.params import RequestLimits
 from worker.requests.prepare import prepare_chat
@@ -83,7 +84,7 @@ class InProcessEngine:
             if scheduler.budget.num_used > self.peak_kv_blocks:
                 self.peak_kv_blocks = scheduler.budget.num_used
                 prefixes = scheduler.prefixes
-                self.peak_shared_blocks = prefixes.num_shared_blocks if prefixes is not None else 0
+                self.peak_shared_blocks = prefixes.num_shared_blocks if isinstance(prefixes, SharedPrefixes) else 0
         return traces
 
     def run_sequential(self, bodies: list[dict[str, object]]) -> list[StreamTrace]:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from relaylm.redis_launcher import find_redis_server
 from tests.support.models import default_model_dir, tiny_random_llama_dir
@@ -20,6 +21,27 @@ from tests.support.redis_server import start_test_redis
 from tests.support.stack import Stack
 
 TINY_MODEL = "tiny-random"
+
+# `make test` runs the suite in two processes (pytest-xdist, `-n 2 --dist loadfile`), each with
+# the processes it starts pinned to a core of its own: as two one-core hosts, so that neither's
+# workers size their threads for cores the other one uses. The modules below need every core of
+# the host, or a quiet one (they pool workers on shared cores, count threads, or forecast a
+# prefill's time), and run afterwards on their own (`-m alone`).
+ALONE = frozenset(
+    {
+        "tests/e2e/test_agent_cli.py",
+        "tests/e2e/test_determinism_scenarios.py",
+        "tests/e2e/test_host_pool.py",
+        "tests/e2e/test_load.py",
+        "tests/worker/test_compiled_decode.py",
+    }
+)
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... in a parallel run
+if _XDIST_WORKER and hasattr(os, "sched_setaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    if len(_cores) > 1:
+        os.sched_setaffinity(0, {_cores[int(_XDIST_WORKER.removeprefix("gw")) % len(_cores)]})
+        torch.set_num_threads(1)
 
 # Every worker the tests start would otherwise compile its one-row decode step in a background
 # process (tens of seconds of both cores each). The tests that exercise it ask for it:
@@ -37,6 +59,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="run every stack on a 3-primary Redis Cluster (started for the session) instead of one Redis",
     )
+
+
+@pytest.hookimpl(tryfirst=True)  # marked before `-m` selects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("::")[0] in ALONE:
+            item.add_marker(pytest.mark.alone)
 
 
 @pytest.fixture(scope="session")

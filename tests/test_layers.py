@@ -149,7 +149,7 @@ def test_the_contract_is_what_crosses() -> None:
     users = {
         t for m, imported in GRAPH.items() if not m.startswith("shared.") for t in imported if t.startswith("shared.")
     }
-    assert users | {"shared", "shared.contract.v1", "shared.contract.v2", "shared.contract.v3"} >= {
+    assert users | {"shared", "shared.contract.job", "shared.contract.since"} >= {
         m for m in MODULES if m.startswith("shared")
     }
 
@@ -301,3 +301,12 @@ def test_engine_variants_are_read_from_the_execution_plan() -> None:
         "worker.models.loader": {".deterministic"},
         "worker.native.kv_cache": {"is_lazily_backed()"},
     }
+
+
+def test_the_prefix_policy_is_chosen_once() -> None:
+    """The builder picks the plan's prefix policy; the scheduler and engine call its interface
+    (``worker.engine.prefixes``) and know no implementation."""
+    policies = ("worker.engine.shared_prefix", "worker.engine.prefix_cache")
+    users = {m for m in _importers("worker.", policies) if m not in policies}
+    assert users - {"worker.engine.builder"} <= {"worker.engine.prefixes", "worker.engine.self_test"}
+    assert "worker.engine.prefixes" in imports_of("worker.engine.scheduler")

@@ -22,7 +22,7 @@ from tests.support.models import tiny_random_llama_dir
 from tests.worker.test_engine import Collector
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine
-from worker.engine.prefix_cache import BLOCK_SIZE
+from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import EngineRequest, ResumeState
 from worker.models.loader import LoadedModel, load_model
@@ -158,14 +158,14 @@ def test_a_request_gets_the_same_tokens_alone_batched_chunked_and_after_a_cache_
         assert request.sequences[0].output_token_ids == expected[i], f"request {i} ({batch[i]})"
 
     # The same requests again, one after another, on the engine whose prefix cache now holds them.
-    assert engine.prefix_cache is not None
-    hits_before = engine.prefix_cache.stats.num_hit_tokens
+    assert isinstance(engine.scheduler.prefixes, PrefixCache)
+    hits_before = engine.scheduler.prefixes.stats.num_hit_tokens
     for i, spec in enumerate(batch):
         request = spec.request(f"again{i}")
         _run(engine, collector, [(0, request)])
         assert request.sequences[0].output_token_ids == expected[i], f"request {i} after a cache hit"
     if any(len(spec.prompt) > BLOCK_SIZE for spec in batch):  # a full block to reuse
-        assert engine.prefix_cache.stats.num_hit_tokens > hits_before
+        assert engine.scheduler.prefixes.stats.num_hit_tokens > hits_before
 
 
 def test_the_same_seed_gives_the_same_draws_from_any_position(loaded: LoadedModel) -> None:

@@ -3,6 +3,7 @@ the same greedy tokens as running alone; aborts, budgets and failures behave."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from shared.errors import ErrorKind
 from shared.events import DeltaEvent, EndEvent, ErrorEvent
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine, RequestOutput
-from worker.engine.prefix_cache import BLOCK_SIZE
+from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import EngineRequest
 from worker.native.kv_cache import KVCacheLayout
@@ -291,8 +292,8 @@ def test_prefix_cache_gives_the_same_tokens_and_counts_hits(tiny: tuple[torch.nn
     for i in range(len(prompts)):
         assert _deltas(cached_out, f"r{i}") == _deltas(plain_out, f"r{i}")
     shared_blocks = len(_prompt(tokenizer, SYSTEM)) // BLOCK_SIZE
-    assert cached.prefix_cache is not None
-    assert cached.prefix_cache.stats.num_hit_tokens >= 2 * shared_blocks * BLOCK_SIZE
+    assert isinstance(cached.scheduler.prefixes, PrefixCache)
+    assert cached.scheduler.prefixes.stats.num_hit_tokens >= 2 * shared_blocks * BLOCK_SIZE
     ends = [cached_out.events[f"r{i}"][-1] for i in range(3)]
     assert ends[0].usage.cached_tokens == 0  # type: ignore[attr-defined]
     assert ends[1].usage.cached_tokens >= shared_blocks * BLOCK_SIZE  # type: ignore[attr-defined]
@@ -323,5 +324,25 @@ def test_the_prefix_cache_evicts_least_recently_used_blocks(tiny: tuple[torch.nn
         prompt = [100 + i] * (3 * BLOCK_SIZE + 1)
         engine.submit(EngineRequest(f"r{i}", [prompt], _greedy(1)))
         _drain(engine, collector, {f"r{i}"})
-    assert engine.prefix_cache is not None
-    assert len(engine.prefix_cache._block_of) == 4
+    assert isinstance(engine.scheduler.prefixes, PrefixCache)
+    assert len(engine.scheduler.prefixes._block_of) == 4
+
+
+def test_a_stop_string_ends_the_text_with_or_without_itself(tiny: tuple[torch.nn.Module, object]) -> None:
+    """``include_stop_str_in_output``: the same cut, after the stop string instead of before it."""
+    engine, collector = _engine(tiny)
+    _, tokenizer = tiny
+    prompt = _prompt(tokenizer, "hello")
+    engine.submit(EngineRequest("free", [prompt], _greedy(24)))
+    _drain(engine, collector, {"free"})
+    free = collector.text("free")
+    stop = free[len(free) // 2 : len(free) // 2 + 3]
+    assert len(stop) == 3
+    cut = free.index(stop)
+    for include in (False, True):
+        params = dataclasses.replace(_greedy(24), stop_strings=(stop,), include_stop_str_in_output=include)
+        engine.submit(EngineRequest(f"stop-{include}", [prompt], params))
+        _drain(engine, collector, {f"stop-{include}"})
+        assert collector.text(f"stop-{include}") == free[: cut + len(stop) if include else cut]
+        finish = [e.finish_reason for e in _deltas(collector, f"stop-{include}") if e.finish_reason]  # type: ignore[attr-defined]
+        assert finish == ["stop"]

@@ -11,7 +11,8 @@ import torch
 
 from tests.support.models import tiny_random_llama_dir
 from tests.support.qwen import tiny_random_qwen3_dir
-from worker.engine.self_test import check_determinism
+from worker.engine import self_test
+from worker.engine.self_test import PassedSelfTests, SelfTestResult, check_determinism
 from worker.models.loader import LoadedModel, load_model
 from worker.native import exact
 from worker.native.decoder import NativeCausalLM
@@ -85,3 +86,38 @@ def test_a_qwen3_model_with_query_and_key_norms_passes_it(tmp_path: Path) -> Non
     assert loaded.model.model.layers[0].self_attn.q_norm is not None
     result = check_determinism(loaded.model, loaded.tokenizer, loaded.eos_token_ids, {1, 2})
     assert result.holds, result.detail
+
+
+def test_a_pass_is_remembered_under_the_weights_code_cpu_and_thread_counts(
+    deterministic: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passes = PassedSelfTests(tmp_path)
+    key = passes.key(deterministic.model, {1, 2})
+    assert passes.passed(key) is None
+    passes.remember(key, SelfTestResult(True, 3.5, "16 requests alone, together and at threads [1, 2]"))
+    assert PassedSelfTests(tmp_path).passed(key) == SelfTestResult(
+        True, 3.5, "16 requests alone, together and at threads [1, 2]"
+    )
+    assert passes.key(deterministic.model, {1, 2}) == key
+    # Other thread counts, other code, another CPU or other weights: another key, not tested yet.
+    assert passes.key(deterministic.model, {1, 3}) != key
+    with monkeypatch.context() as patch:
+        patch.setattr(self_test, "code_digest", lambda: "other code")
+        assert passes.key(deterministic.model, {1, 2}) != key
+    with monkeypatch.context() as patch:
+        patch.setattr(self_test, "machine_digest", lambda: "other cpu")
+        assert passes.key(deterministic.model, {1, 2}) != key
+    other = load_model(
+        str(tiny_random_llama_dir(seed=6, hidden_size=128, num_layers=2)), tmp_path, "cpu", "bfloat16", 512,
+        "native", "auto", deterministic=True,
+    )  # fmt: skip
+    assert passes.key(other.model, {1, 2}) != key
+
+
+def test_a_failure_is_not_remembered_and_an_unreadable_record_is_no_pass(tmp_path: Path) -> None:
+    passes = PassedSelfTests(tmp_path)
+    passes.remember("exact-failed", SelfTestResult(False, 1.0, "all at once: requests [0] of 16 differ"))
+    assert passes.passed("exact-failed") is None
+    (tmp_path / "self-test").mkdir(exist_ok=True)
+    (tmp_path / "self-test" / "exact-torn.json").write_text('{"seconds": 1.')
+    assert passes.passed("exact-torn") is None

@@ -101,7 +101,7 @@ def _engine(
     )
     collector = Collector()
     engine = build_engine(native.model, native.tokenizer, config, native.eos_token_ids, collector)
-    assert (engine.scheduler.prefixes is not None) == sharing
+    assert isinstance(engine.scheduler.prefixes, SharedPrefixes) == sharing
     return engine, collector
 
 
@@ -172,7 +172,7 @@ def test_32_requests_sharing_a_2000_token_system_prompt_hold_it_once(native: Loa
     assert all(end.usage.cached_tokens == SYSTEM_TOKENS // CHAIN * CHAIN for end in ends[1:])  # type: ignore[attr-defined]
     # Once they finished, every block is back and nothing is read; the cache keeps the chains.
     prefixes = shared_engine.scheduler.prefixes
-    assert prefixes is not None and prefixes.num_shared_blocks == 0
+    assert isinstance(prefixes, SharedPrefixes) and prefixes.num_shared_blocks == 0
     assert shared_engine.scheduler.budget.num_used == 0 and prefixes.num_cached_chains >= 1
 
 
@@ -261,8 +261,8 @@ def test_sessions_each_with_their_own_history_copy_it_and_read_no_prefix_slot(na
         if sharing:
             cached = [collector.events[f"{sid}-2"][-1].usage.cached_tokens for sid in histories]  # type: ignore[attr-defined]
             assert cached == [300 // CHAIN * CHAIN] * 4
-            prefixes = engine.scheduler.prefixes
-            assert prefixes is not None and engine.scheduler.budget.num_used == 0
+            assert isinstance(engine.scheduler.prefixes, SharedPrefixes)
+            assert engine.scheduler.budget.num_used == 0
     assert outputs["True"] == outputs["False"]
 
 
@@ -303,7 +303,8 @@ def test_random_traffic_over_shared_prefixes_keeps_the_books_and_the_text(native
         texts[sharing] = {request.request_id: _tokens(collector, request.request_id) for _, request in arrivals}
         assert engine.scheduler.budget.num_used == 0
         prefixes = engine.scheduler.prefixes
-        if prefixes is not None:
+        assert isinstance(prefixes, SharedPrefixes) == sharing
+        if isinstance(prefixes, SharedPrefixes):
             assert prefixes.num_shared_blocks == 0
             assert prefixes.idle.num_used == prefixes.num_chain_blocks
             assert prefixes.idle.num_used <= prefixes.idle.num_blocks

@@ -15,6 +15,7 @@ from worker.engine.kv_blocks import KVBlockBudget
 from worker.engine.model_runner import ModelRunner
 from worker.engine.plan import ExecutionPlan, KVLayout, resolve_plan
 from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCache
+from worker.engine.prefixes import NoPrefixes, Prefixes
 from worker.engine.sampling_state import SlotSamplingState
 from worker.engine.scheduler import Scheduler
 from worker.engine.shared_prefix import SharedPrefixes
@@ -86,7 +87,7 @@ def build_engine(
     )
     runner = ModelRunner(model, cache)
     sampling_state = SlotSamplingState(num_slots, runner.vocab_size, layout.device)
-    prefix_cache, prefixes = None, None
+    prefixes: Prefixes = NoPrefixes()
     if sharing:
         idle_blocks = config.prefix_cache_bytes // (budget.block_tokens * layout.bytes_per_token)
         prefixes = SharedPrefixes(cache, budget, idle_blocks)
@@ -98,15 +99,15 @@ def build_engine(
     elif plan.prefix_policy == "copy":
         num_blocks = config.prefix_cache_bytes // (layout.bytes_per_token * BLOCK_SIZE)
         if num_blocks > 0:
-            prefix_cache = PrefixCache(layout, num_blocks)
-            size_gib = prefix_cache.num_bytes / 2**30
+            copied = prefixes = PrefixCache(cache, num_blocks)
+            size_gib = copied.num_bytes / 2**30
             logger.info("prefix cache: %d blocks of %d tokens, %.2f GiB", num_blocks, BLOCK_SIZE, size_gib)
     scheduler = Scheduler(
         num_slots, config.max_num_seqs, config.max_num_batched_tokens, budget=budget, memory=cache,
-        prefixes=prefixes, prefix_cache=prefix_cache,
+        prefixes=prefixes,
     )  # fmt: skip
     return LLMEngine(
-        runner, scheduler, sampling_state, tokenizer, eos_token_ids, config.max_model_len, sink, prefix_cache,
+        runner, scheduler, sampling_state, tokenizer, eos_token_ids, config.max_model_len, sink,
         exact_sums=plan.is_exact,
     )  # fmt: skip
 

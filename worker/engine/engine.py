@@ -24,7 +24,6 @@ from worker.engine.detokenizer import Decoder
 from worker.engine.logprobs import token_logprobs
 from worker.engine.model_runner import ModelRunner, prefix_of
 from worker.engine.output_processor import OutputProcessor
-from worker.engine.prefix_cache import PrefixCache
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_state import SlotSamplingState
 from worker.engine.scheduler import ScheduledStep, Scheduler
@@ -71,12 +70,10 @@ class LLMEngine:
         eos_token_ids: frozenset[int],
         max_model_len: int,
         sink: OutputSink,
-        prefix_cache: PrefixCache | None = None,
         exact_sums: bool = False,
     ) -> None:
         """``exact_sums``: the plan's exact numerics (the sampler sums in the kernels' fixed order)."""
         self.runner = runner
-        self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer
         self.sampling_state = sampling_state
         self.sampler = Sampler(sampling_state, eos_token_ids, exact_sums=exact_sums)
@@ -115,11 +112,7 @@ class LLMEngine:
     def load(self) -> EngineLoad:
         """What the registry reports: running and waiting sequences, KV use, prefix-cache hits."""
         scheduler = self.scheduler
-        hit_rate = 0.0
-        if self.prefix_cache is not None:
-            hit_rate = self.prefix_cache.stats.hit_rate
-        elif scheduler.prefixes is not None:
-            hit_rate = scheduler.prefixes.stats.hit_rate
+        hit_rate = scheduler.prefixes.stats.hit_rate
         return EngineLoad(scheduler.num_running, scheduler.num_waiting, hit_rate, scheduler.budget.usage)
 
     @property
@@ -334,9 +327,4 @@ class LLMEngine:
         if seq.sched.slot is None:
             return
         tokens = seq.prompt_token_ids + seq.output_token_ids
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(
-                seq.cache_keys(tokens), seq.sched.num_computed_tokens, self.runner.cache, seq.sched.slot
-            )
-        elif self.scheduler.prefixes is not None:
-            self.scheduler.prefixes.publish(seq, tokens, seq.sched.num_computed_tokens, finishing)
+        self.scheduler.prefixes.remember(seq, tokens, seq.sched.num_computed_tokens, finishing)

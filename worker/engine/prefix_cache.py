@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.native.kv_cache import KVCacheLayout, SlotKVCache
+from worker.engine.kv_blocks import KVBlockBudget
+from worker.engine.sequence import Sequence
+from worker.native.kv_cache import SlotKVCache
 
 BLOCK_SIZE = 32
 
@@ -46,7 +48,11 @@ def extend_block_hashes(hashes: list[int], token_ids: list[int], num_blocks: int
 
 
 class PrefixCache:
-    def __init__(self, layout: KVCacheLayout, num_blocks: int) -> None:
+    """The ``copy`` prefix policy (``prefixes.Prefixes``) over the slots of ``cache``."""
+
+    def __init__(self, cache: SlotKVCache, num_blocks: int) -> None:
+        layout = cache.layout
+        self.cache = cache
         self.num_blocks = num_blocks
         shape = (num_blocks, layout.num_kv_heads, BLOCK_SIZE, layout.head_dim)
         # empty, not zeros: a block is only ever read after it was written, and on CPU the pages
@@ -60,6 +66,29 @@ class PrefixCache:
     @property
     def num_bytes(self) -> int:
         return 2 * sum(t.numel() * t.element_size() for t in self._keys)
+
+    # -- the prefix policy ------------------------------------------------------------------------
+    @property
+    def idle_blocks(self) -> int:
+        return 0  # the pool is memory of its own, not KV blocks
+
+    def reserve(self, seq: Sequence, budget: KVBlockBudget) -> bool:
+        return budget.can_admit(seq.sched.num_prefill_tokens + 1)
+
+    def fill(self, seq: Sequence, slot: int) -> int:
+        return self.load(seq.cache_keys(seq.sched.prefill_token_ids), self.cache, slot)
+
+    def balance(self, running: list[Sequence]) -> None:
+        pass
+
+    def leave(self, seq: Sequence) -> None:
+        pass
+
+    def remember(self, seq: Sequence, tokens: list[int], num_computed: int, finishing: bool) -> None:
+        if seq.sched.slot is not None:
+            self.store(seq.cache_keys(tokens), num_computed, self.cache, seq.sched.slot)
+
+    # -- the pool -----------------------------------------------------------------------------------
 
     def load(self, token_ids: list[int], cache: SlotKVCache, slot: int) -> int:
         """Copy the longest cached prefix of ``token_ids`` (leaving at least one token to compute)

@@ -11,10 +11,10 @@ does not fit, the least urgent sequence (batch before interactive, then the newe
 preempted: its blocks are freed and it waits at the head of its priority to be recomputed
 (prompt plus the tokens it already produced) and go on where it stopped.
 
-With shared prefixes (``shared_prefix.py``), a sequence attaches at admission to the longest
-cached chain its prompt begins with; it is charged blocks only for its own tokens after it, and
-the prefix once, whoever reads it. With the copying prefix cache (``prefix_cache.py``), its
-cached blocks are copied into its slot at admission.
+Prompt prefixes computed before go through one interface (``prefixes.py``): with shared
+prefixes a sequence attaches at admission to the longest cached chain its prompt begins with and
+is charged blocks only for its own tokens after it (the prefix once, whoever reads it); with the
+copying prefix cache, its cached blocks are copied into its slot at admission.
 
 The scheduler owns every state change of a sequence (waiting → prefilling → decoding →
 finished, and back to waiting when preempted; its ``sched`` state, ``scheduling_state.py``) and
@@ -33,10 +33,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from worker.engine.kv_blocks import KVBlockBudget
-from worker.engine.prefix_cache import PrefixCache
+from worker.engine.prefixes import NoPrefixes, Prefixes
 from worker.engine.scheduling_state import FinishReason, SequenceStatus
 from worker.engine.sequence import Sequence
-from worker.engine.shared_prefix import SharedPrefixes
 from worker.native.kv_cache import SlotKVCache
 
 
@@ -92,11 +91,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         budget: KVBlockBudget | None = None,
         memory: SlotKVCache | None = None,
-        prefixes: SharedPrefixes | None = None,
-        prefix_cache: PrefixCache | None = None,
+        prefixes: Prefixes | None = None,
     ) -> None:
         """``memory``: the KV cache whose slots the sequences run in (None: slot order alone, for
-        tests); ``prefixes`` or ``prefix_cache``: prompt prefixes held once, or copied in."""
+        tests); ``prefixes``: the plan's prefix policy (none by default)."""
         self.max_running = min(num_slots, max_num_seqs)
         self.max_num_batched_tokens = max_num_batched_tokens
         # Decode can fill the whole budget at high concurrency; new prompts still get a share.
@@ -108,8 +106,7 @@ class Scheduler:
         # Without a budget (tests of slot order alone) every slot may hold a whole sequence.
         self.budget = budget or KVBlockBudget(2**62, 1)
         self._memory = memory
-        self.prefixes = prefixes
-        self.prefix_cache = prefix_cache
+        self.prefixes: Prefixes = prefixes or NoPrefixes()
         self._num_admitted = 0
         self.num_preemptions = 0
 
@@ -146,13 +143,8 @@ class Scheduler:
             if seq.sched.status is SequenceStatus.WAITING:
                 if chunks and (len(chunks) + 1) * query_len > budget:
                     break
-                if self.prefixes is not None:
-                    match = self.prefixes.match(seq)
-                    if not self.budget.can_take(self.prefixes.admission_blocks(seq, match)):
-                        break  # in order: a long prompt is not overtaken by every short one after it
-                    self.prefixes.attach(seq, match)
-                elif not self.budget.can_admit(seq.sched.num_prefill_tokens + 1):
-                    break
+                if not self.prefixes.reserve(seq, self.budget):
+                    break  # in order: a long prompt is not overtaken by every short one after it
                 self._admit(seq)  # may load a cached prefix, shortening what is left to compute
             length = min(seq.sched.num_uncomputed_prompt_tokens, query_len or budget)
             # Rows are padded to the longest chunk, so the padded size is what the budget pays.
@@ -162,11 +154,9 @@ class Scheduler:
             query_len = max(query_len, length)
         completes_interactive = any(chunk.completes_prompt and chunk.seq.request.priority == 0 for chunk in chunks)
         skip_decode = completes_interactive and any(seq.request.priority > 0 for seq in self.running)
-        if self.prefixes is not None:
-            self.prefixes.balance(self.running)
+        self.prefixes.balance(self.running)
         if self._memory is not None:
-            idle_blocks = self.prefixes.idle.num_blocks if self.prefixes is not None else 0
-            self._memory.trim(self.budget.num_blocks + idle_blocks)
+            self._memory.trim(self.budget.num_blocks + self.prefixes.idle_blocks)
         moves, self._slot_moves = self._slot_moves, []
         admitted, self._admitted = self._admitted, []
         return ScheduledStep(list(self.running), chunks, skip_decode, moves, admitted)
@@ -253,12 +243,7 @@ class Scheduler:
         self.running.append(seq)
         seq.sched.num_computed_tokens = seq.prefix.shared_len
         self._grow(seq, seq.sched.num_prefill_tokens + 1)  # the whole prompt, and the first token
-        num_cached = seq.prefix.shared_len  # a shared prefix, attached before admission
-        if self.prefix_cache is not None and self._memory is not None:
-            num_cached = self.prefix_cache.load(
-                seq.cache_keys(seq.sched.prefill_token_ids), self._memory, seq.sched.slot
-            )
-            seq.sched.num_computed_tokens = num_cached
+        num_cached = seq.sched.num_computed_tokens = self.prefixes.fill(seq, seq.sched.slot)
         if not seq.sched.num_preemptions:  # usage reports the prompt's cached tokens, once
             seq.sched.num_cached_tokens = num_cached
         self._admitted.append(seq)
@@ -279,8 +264,7 @@ class Scheduler:
         assert hole is not None
         self.budget.free(seq.sched)
         self._admitted = [admitted for admitted in self._admitted if admitted is not seq]  # not yet reported
-        if self.prefixes is not None:
-            self.prefixes.detach(seq)
+        self.prefixes.leave(seq)
         self.running.pop()
         seq.sched.slot = None
         if last is not seq:

@@ -6,14 +6,22 @@ prefill chunked, half their prompts already in the prefix cache and half new; th
 at one thread and at every core the worker may use (its host pool changes its thread count while
 it serves). Every run must give every request the same tokens. The prompts are fixed token ids,
 not text: the numerics are what is tested, and any ids are valid input.
+
+A pass is remembered under ``--cache-dir`` (``PassedSelfTests``), keyed by the weights, the
+worker's code, the CPU and the thread counts: a worker restarted on the same of all of them does
+not test again. A failure is not remembered.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,6 +31,7 @@ from worker.engine.engine import LLMEngine, RequestOutput
 from worker.engine.prefix_cache import BLOCK_SIZE
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import EngineRequest
+from worker.native.fingerprint import code_digest, machine_digest, update_with_weights
 from worker.native.kv_cache import KVCacheLayout
 from worker.native.model_config import text_config
 
@@ -134,3 +143,42 @@ def _result(
         differing = [i for i, (a, b) in enumerate(zip(tokens, expected, strict=True)) if a != b]
         detail = f"{what}: requests {differing} of {len(expected)} differ from their run alone"
     return SelfTestResult(holds, time.monotonic() - started, detail)
+
+
+class PassedSelfTests:
+    """The self-tests that passed on this machine, one small file each under ``cache_dir``."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self._dir = cache_dir / "self-test"
+
+    @staticmethod
+    def key(model: torch.nn.Module, thread_counts: Iterable[int]) -> str:
+        """What a pass depends on: the weights, the worker's code (this test's included), the
+        CPU, torch and the thread counts tested (the current one among them)."""
+        counts = sorted(set(thread_counts) | {torch.get_num_threads()})
+        digest = hashlib.blake2b(digest_size=16)
+        update_with_weights(digest, model)
+        digest.update(f"{code_digest()}:{machine_digest()}:{counts}".encode())
+        return f"exact-{digest.hexdigest()}"
+
+    def passed(self, key: str) -> SelfTestResult | None:
+        """The remembered pass under ``key``, or None where there is none (or it cannot be read)."""
+        try:
+            record = json.loads((self._dir / f"{key}.json").read_text())
+            return SelfTestResult(True, float(record["seconds"]), str(record["detail"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def remember(self, key: str, result: SelfTestResult) -> None:
+        """Keep a pass (written whole, then renamed into place); a cache that cannot be written
+        only means the next start tests again."""
+        if not result.holds:
+            return
+        path = self._dir / f"{key}.json"
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({"seconds": result.seconds, "detail": result.detail}))
+            partial.replace(path)
+        except OSError as exc:
+            logger.warning("the passed self-test was not cached (%s): the next start tests again", exc)

@@ -45,6 +45,8 @@ class PrefixMatch:
 
 
 class SharedPrefixes:
+    """The ``shared`` prefix policy (``prefixes.Prefixes``)."""
+
     def __init__(self, cache: SlotKVCache, kv_budget: KVBlockBudget, idle_blocks: int) -> None:
         # A chain's blocks end on KV block boundaries, so a prefix hands whole blocks over.
         self.block_size = math.lcm(BLOCK_SIZE, kv_budget.block_tokens)
@@ -70,7 +72,24 @@ class SharedPrefixes:
     def num_cached_chains(self) -> int:
         return sum(prefix.num_tokens > 0 for prefix in self._prefixes)
 
+    @property
+    def idle_blocks(self) -> int:
+        return self.idle.num_blocks
+
     # -- admission ------------------------------------------------------------------------------
+    def reserve(self, seq: Sequence, budget: KVBlockBudget) -> bool:
+        """Attach ``seq`` to the longest chain its prompt begins with, where its own tokens and
+        (when none reads it yet) the chain fit ``budget``; in order: a long prompt that does not
+        fit is not overtaken by every short one after it."""
+        match = self.match(seq)
+        if not budget.can_take(self.admission_blocks(seq, match)):
+            return False
+        self.attach(seq, match)
+        return True
+
+    def fill(self, seq: Sequence, slot: int) -> int:
+        return seq.prefix.shared_len  # attached before admission, read in place
+
     def match(self, seq: Sequence) -> PrefixMatch | None:
         """The longest cached chain ``seq``'s prefill begins with, leaving a token to compute."""
         tokens = seq.sched.prefill_token_ids
@@ -102,7 +121,7 @@ class SharedPrefixes:
         seq.prefix.shared, seq.prefix.shared_len = match.prefix, match.length
         self._set_seq_chain(seq, match.prefix, match.length)
 
-    def detach(self, seq: Sequence) -> None:
+    def leave(self, seq: Sequence) -> None:
         """``seq`` left (finished, aborted or preempted)."""
         prefix = seq.prefix.shared
         if prefix is None:
@@ -145,12 +164,12 @@ class SharedPrefixes:
                 continue
             self.cache.copy_positions(prefix.slot, seq.sched.slot, 0, length)
             own_tokens = seq.sched.num_kv_blocks * self.kv.block_tokens
-            self.detach(seq)  # frees the prefix's charge when no other row reads it
+            self.leave(seq)  # frees the prefix's charge when no other row reads it
             self.kv.grow(seq.sched, length + own_tokens)
             self.cache.hold(seq.sched.slot, seq.sched.num_kv_blocks)
             self._set_seq_chain(seq, prefix if prefix.num_tokens else None, length)
 
-    def publish(self, seq: Sequence, tokens: list[int], num_computed: int, finishing: bool) -> None:
+    def remember(self, seq: Sequence, tokens: list[int], num_computed: int, finishing: bool) -> None:
         """Offer the full blocks among the first ``num_computed`` of ``tokens`` (``seq``'s prompt,
         and at the end its output)."""
         end = min(num_computed, len(tokens)) // self.block_size * self.block_size

@@ -16,7 +16,7 @@ from shared.registry import WorkerInfo, WorkerTask
 from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
 from worker.engine.detokenizer import Decoder
 from worker.engine.engine import LLMEngine, OutputSink
-from worker.engine.self_test import check_determinism
+from worker.engine.self_test import PassedSelfTests, check_determinism
 from worker.engine.sequence import EngineRequest, ResumeState
 from worker.kinds.base import Answer, ImageBytes, JobInputs, Readiness, wrong_task
 from worker.models.loader import LoadedModel, load_model
@@ -193,11 +193,21 @@ class GenerateKind:
         return True
 
     def _test_determinism(self, loaded: LoadedModel) -> None:
-        """Claim the deterministic promise only where the whole step keeps it on this machine."""
-        cores = len(os.sched_getaffinity(0))
-        result = check_determinism(loaded.model, _decoder(loaded), loaded.eos_token_ids, {1, cores})
+        """Claim the deterministic promise only where the whole step keeps it on this machine:
+        tested here, or passed before on the same weights, code, CPU and thread counts."""
+        thread_counts = {1, len(os.sched_getaffinity(0))}
+        passes = PassedSelfTests(self.settings.cache_dir)
+        key = passes.key(loaded.model, thread_counts)
+        earlier = passes.passed(key)
+        if earlier is not None:
+            logger.info("deterministic self-test passed before on these weights, this code and this CPU (%s, "
+                        "%.1f s then): not run again", earlier.detail, earlier.seconds)  # fmt: skip
+            self._deterministic = True
+            return
+        result = check_determinism(loaded.model, _decoder(loaded), loaded.eos_token_ids, thread_counts)
         if result.holds:
             logger.info("deterministic self-test passed in %.1f s (%s)", result.seconds, result.detail)
+            passes.remember(key, result)
         else:
             logger.warning("--deterministic on: the self-test failed (%s), so this worker does not promise "
                            "that a request's text is the same in any batch", result.detail)  # fmt: skip

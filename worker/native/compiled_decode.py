@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from worker.native.decoder import NativeCausalLM
+from worker.native.fingerprint import update_with_weights
 from worker.native.kv_cache import SlotKVCache
 
 logger = logging.getLogger(__name__)
@@ -121,15 +122,10 @@ def can_compile() -> bool:
 
 
 def package_key(model: NativeCausalLM, cache: SlotKVCache, num_threads: int) -> str:
-    """What the compiled kernels depend on. The weights enter as their names, shapes, dtypes and
-    first and last bytes: a different checkpoint, quantization or dtype changes it, and it costs
-    milliseconds, not a read of every weight."""
+    """What the compiled kernels depend on: the weights (``update_with_weights``), the KV cache's
+    shape, the dtype, torch's version and the thread count."""
     digest = hashlib.blake2b(digest_size=12)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        flat = tensor.detach().reshape(-1)
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        for part in (flat[:64], flat[-64:]):
-            digest.update(part.contiguous().view(torch.uint8).numpy().tobytes())
+    update_with_weights(digest, model)
     shape = "x".join(str(size) for size in cache.keys[0].shape)
     digest.update(f"{shape}:{cache.layout.dtype}:{torch.__version__}:{num_threads}".encode())
     return f"decode1-{digest.hexdigest()}-t{num_threads}"
