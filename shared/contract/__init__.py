@@ -30,12 +30,12 @@ processes read it to render the job's events, workers ignore it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import Field, TypeAdapter, ValidationError
 
 from shared.contract.job import (
+    UPGRADES,
     VERSION,
     AnyJob,
     ChatJob,
@@ -100,18 +100,6 @@ OLDEST_VERSION = 2
 """The oldest version this code reads, and writes for a reader of an older release."""
 
 
-def _renumbered(data: dict[str, Any], version: int) -> dict[str, Any]:
-    return {**data, "version": version}
-
-
-# Version n's payload as version n + 1. Frozen: a version that only adds fields (or new forms of
-# a value) reads every payload of the one before it as it is.
-_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    2: lambda data: _renumbered(data, 3),  # 3 adds image parts
-    3: lambda data: _renumbered(data, 4),  # 4 adds Sampling.include_stop_str_in_output
-}
-
-
 class UnreadableJob(ValueError):
     """The payload is not a job of any version this code knows."""
 
@@ -162,7 +150,7 @@ def decode_job(payload: bytes) -> AnyJob:
     if version < OLDEST_VERSION:
         raise UnreadableJob(f"job contract version {version}; this process reads {OLDEST_VERSION} and newer")
     while version < CONTRACT_VERSION:
-        data = _UPGRADES[version](data)
+        data = UPGRADES[version](data)
         version += 1
     try:
         return _job_adapter.validate_python(data)

@@ -15,6 +15,7 @@ a payload is read exactly or not at all, never misread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +23,19 @@ from pydantic import BaseModel, ConfigDict, Field
 from shared.contract.since import Since
 
 VERSION = 4
+"""The version this code writes and the newest it reads."""
+
+
+def _renumbered(data: dict[str, Any], version: int) -> dict[str, Any]:
+    return {**data, "version": version}
+
+
+# Version n's payload as version n + 1. Frozen: a version that only adds fields (or new forms of
+# a value) reads every payload of the one before it as it stands.
+UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    2: lambda data: _renumbered(data, 3),  # 3 adds image parts
+    3: lambda data: _renumbered(data, 4),  # 4 adds Sampling.include_stop_str_in_output
+}
 
 
 class _Contract(BaseModel):
