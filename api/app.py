@@ -46,8 +46,8 @@ from api.routes import (
 from api.services import Services, drain_gate, install
 from api.settings import ApiSettings
 from api.tenancy import KeyRing
-from shared.connection import ReplicaAck, connect_redis
 from shared.job_lifecycle import JobLifecycle
+from shared.redis import ReplicaAck, connect_redis
 
 logger = logging.getLogger("relaylm.api")
 

@@ -18,7 +18,7 @@ import redis
 
 from api.settings import ApiSettings
 from relaylm.redis_launcher import RedisHandle, ensure_redis
-from shared.connection import RedisTarget, connect_sync_redis
+from shared.redis import RedisTarget, connect_sync_redis
 from shared.registry import WorkerInfo
 from worker.settings import WorkerSettings
 

@@ -32,9 +32,9 @@ import redis as sync_redis
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from shared.connection import NO_REPLICA_ACK, ReplicaAck
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, ErrorEvent, encode_event
+from shared.redis import NO_REPLICA_ACK, ReplicaAck
 from shared.redis_keys import (
     IMAGE_TTL_S,
     JOB_AUDIO_TTL_S,

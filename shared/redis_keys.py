@@ -72,7 +72,7 @@ class RedisKeys:
 
     def replica_ack(self) -> str:
         """Prefix of the throw-away markers (``<this>:<token>``, expiring after a minute) that a
-        ``WAIT`` for a replica follows (see shared.connection.ReplicaAck)."""
+        ``WAIT`` for a replica follows (see shared.redis.ReplicaAck)."""
         return f"{self.prefix}:replica-ack"
 
     def owner_hash_secret(self) -> str:

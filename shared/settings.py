@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.connection import RedisTarget, parse_addresses
+from shared.redis import RedisTarget, parse_addresses
 from shared.redis_keys import RedisKeys
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

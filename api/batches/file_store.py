@@ -12,8 +12,8 @@ from redis.asyncio import Redis
 from api.batches.record_index import page_of_records
 from api.tenancy import SINGLE_USER, Tenant
 from api.wire.openai.batch import FileObject, FilePurpose
-from shared.connection import NO_REPLICA_ACK, ReplicaAck
 from shared.errors import ErrorKind, RelayError
+from shared.redis import NO_REPLICA_ACK, ReplicaAck
 from shared.redis_keys import RedisKeys
 from shared.redis_replies import as_bytes
 

@@ -21,8 +21,8 @@ import uuid
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from shared.connection import COMMAND_TIMEOUT_S, subscription_follows_primary
 from shared.errors import ErrorKind, RelayError
+from shared.redis import COMMAND_TIMEOUT_S, subscription_follows_primary
 from shared.redis_keys import RedisKeys
 from shared.tasks import cancel_and_wait
 

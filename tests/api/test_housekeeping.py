@@ -20,11 +20,11 @@ from api.jobs.detached import DetachedJobs
 from api.jobs.housekeeping import Housekeeper
 from api.jobs.worker_directory import WorkerDirectory
 from relaylm.redis_launcher import find_redis_server, start_redis
-from shared.connection import RedisTarget, connect_redis
 from shared.contract import ChatJob, Delivery, Generate, Message, encode_job
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, DeltaEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts, encode_event
 from shared.job_lifecycle import AppendRequest, Claim, EventAppender, JobLifecycle, JobState
+from shared.redis import RedisTarget, connect_redis
 from shared.redis_keys import WORKER_HEARTBEAT_TTL_S, RedisKeys
 from shared.registry import ModelRecord, WorkerInfo
 

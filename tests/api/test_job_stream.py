@@ -21,11 +21,11 @@ from api.metrics import Metrics
 from api.request_metrics import RequestObserver
 from api.settings import ApiSettings
 from relaylm.redis_launcher import RedisHandle, find_redis_server, start_redis
-from shared.connection import RedisTarget, connect_redis
 from shared.contract import ChatJob, Generate, Message
 from shared.errors import ErrorKind, RelayError
 from shared.events import AnyEvent, DeltaEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts, encode_event
 from shared.job_lifecycle import AppendRequest, EventAppender, JobLifecycle, JobState
+from shared.redis import RedisTarget, connect_redis
 from shared.redis_keys import RedisKeys
 
 JOB_ID = "chatcmpl-test"

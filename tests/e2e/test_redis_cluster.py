@@ -16,7 +16,7 @@ import redis
 from redis.crc import key_slot
 
 from relaylm.redis_launcher import find_redis_server
-from shared.connection import RedisTarget, connect_sync_redis
+from shared.redis import RedisTarget, connect_sync_redis
 from tests.support.batches import submit_batch
 from tests.support.failover import MODEL, chat, run_failover, serve_and_chat
 from tests.support.redis_cluster import ClusterNodes, ClusterShard, start_cluster

@@ -18,7 +18,7 @@ import pytest
 from redis import exceptions as redis_errors
 
 from relaylm.redis_launcher import find_redis_server
-from shared.connection import RedisTarget, ReplicaAck, connect_redis, parse_addresses
+from shared.redis import RedisTarget, ReplicaAck, connect_redis, parse_addresses
 from tests.conftest import make_stack
 from tests.support.failover import MODEL, chat, run_failover, run_lost_job, serve_and_chat
 from tests.support.redis_sentinel import SERVICE, SentinelGroup, start_sentinel_group

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from relaylm.redis_launcher import find_redis_server, start_redis
-from shared.connection import MAX_CONNECTIONS, RedisTarget, connect_redis
+from shared.redis import MAX_CONNECTIONS, RedisTarget, connect_redis
 
 
 def test_a_burst_past_the_connection_limit_waits_its_turn(redis_url: str) -> None:

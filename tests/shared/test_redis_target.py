@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio.sentinel import MasterNotFoundError
 
-from shared.connection import (
+from shared.job_lifecycle import JobLifecycle
+from shared.redis import (
     ClusterNode,
     PrimaryInDoubt,
     RedisTarget,
@@ -19,11 +20,11 @@ from shared.connection import (
     SentinelState,
     agreed_primary,
     connect_redis,
+    locate_primary,
     parse_addresses,
     parse_cluster_nodes,
     slot_owner,
 )
-from shared.job_lifecycle import JobLifecycle
 from shared.redis_keys import RedisKeys
 from shared.settings import CommonSettings
 
@@ -197,3 +198,22 @@ def test_a_replica_wait_without_a_replica_accepts_the_write_and_counts_it(redis_
 
     assert asyncio.run(scenario()) == [True, b"1"]
     assert len(unacknowledged) == 2  # the test Redis has no replica: both waits timed out
+
+
+def test_the_primary_is_located_from_the_answers_alone() -> None:
+    """One pure function for the three deployments: no socket, only what the servers answered."""
+    single = RedisTarget("redis://10.0.0.5:6380/2")
+    assert locate_primary(single) == ("10.0.0.5", 6380)
+    sentinels = RedisTarget("redis://x/0", sentinels=(("s1", 26379), ("s2", 26379), ("s3", 26379)))
+    old = {"ip": "10.0.0.1", "port": 6379, "config-epoch": 1}
+    new = {"ip": "10.0.0.2", "port": 6379, "config-epoch": 2}
+    assert locate_primary(sentinels, sentinel_answers=[new, new, old]) == ("10.0.0.2", 6379)
+    with pytest.raises(PrimaryInDoubt):
+        locate_primary(sentinels, sentinel_answers=[new, None, old])
+    with pytest.raises(MasterNotFoundError):
+        locate_primary(sentinels)
+    cluster = RedisTarget("redis://x/0", cluster_nodes=(("n1", 7000),))
+    slot = cluster.slot
+    stale = ClusterNode(("n1", 7000), True, False, 1, ((0, 16383),))
+    promoted = ClusterNode(("n2", 7001), True, False, 3, ((slot, slot),))
+    assert locate_primary(cluster, cluster_views=[[stale], [stale, promoted]]) == ("n2", 7001)

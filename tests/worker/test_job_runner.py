@@ -12,11 +12,11 @@ import uuid
 
 from redis.asyncio import Redis
 
-from shared.connection import RedisTarget
 from shared.contract import CONTRACT_VERSION, AnyJob, ChatJob, Generate, Message, encode_job
 from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent
 from shared.job_lifecycle import Claim, JobLifecycle, JobState
+from shared.redis import RedisTarget
 from shared.redis_keys import RedisKeys
 from worker.kinds.base import JobInputs
 from worker.service.job_runner import CONTRACT_GRACE_S, JobRunner

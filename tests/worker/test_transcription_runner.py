@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 
-from shared.connection import RedisTarget
 from shared.contract import encode_job
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, ErrorEvent
 from shared.job_lifecycle import Claim, JobLifecycle, JobState
+from shared.redis import RedisTarget
 from shared.redis_keys import RedisKeys
 from tests.worker.transcription_helpers import EngineRun, events_of, stand_in_whisper, transcription_job, window_work
 from worker.audio.engine import TranscriptionEngine

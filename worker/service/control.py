@@ -10,7 +10,7 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from shared.connection import subscription_follows_primary
+from shared.redis import subscription_follows_primary
 from shared.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)

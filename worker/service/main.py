@@ -12,9 +12,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from shared.connection import RedisRefused, connect_redis, wait_for_redis
 from shared.job_lifecycle import Claim, JobLifecycle
 from shared.log_setup import configure_logging
+from shared.redis import RedisRefused, connect_redis, wait_for_redis
 from shared.tasks import cancel_and_wait
 from worker.kinds import make_kind
 from worker.kinds.base import Engine

@@ -23,9 +23,9 @@ from enum import StrEnum
 
 from redis.exceptions import RedisError
 
-from shared.connection import RedisTarget, connect_sync_redis
 from shared.events import EndEvent, ErrorEvent, encode_event
 from shared.job_lifecycle import AppendReply, AppendRequest, AppendStatus, EventAppender, JobState
+from shared.redis import RedisTarget, connect_sync_redis
 from shared.redis_keys import RedisKeys
 from worker.engine.engine import RequestOutput
 
