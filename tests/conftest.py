@@ -37,7 +37,7 @@ ALONE = frozenset(
     }
 )
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... in a parallel run
-if _XDIST_WORKER and hasattr(os, "sched_setaffinity"):
+if _XDIST_WORKER and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and hasattr(os, "sched_setaffinity"):
     _cores = sorted(os.sched_getaffinity(0))
     if len(_cores) > 1:
         os.sched_setaffinity(0, {_cores[int(_XDIST_WORKER.removeprefix("gw")) % len(_cores)]})
