@@ -17,11 +17,11 @@ from api.draining import DrainingMiddleware
 from api.errors import install_error_handlers
 from api.images.loader import ImageLoader
 from api.images.request import ImageIntake
-from api.jobs.background_results import BackgroundResults
+from api.jobs.client import JobClient
 from api.jobs.detached import DetachedJobs
 from api.jobs.event_router import EventRouter
 from api.jobs.housekeeping import Housekeeper
-from api.jobs.submitter import JobSubmitter
+from api.jobs.results import ResultStore
 from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
 from api.middleware import ApiKeyMiddleware, BodyGuardMiddleware
@@ -82,11 +82,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
             app_metrics.unreplicated_writes.inc,
         )
         lifecycle = JobLifecycle(redis, keys, replica_ack)
-        submitter = JobSubmitter(lifecycle, keys, router, directory, settings, app_metrics)
+        client = JobClient(lifecycle, keys, router, directory, settings, app_metrics)
         files = FileStore(redis, keys, settings.file_retention_s, replica_ack)
         batches = BatchStore(redis, keys, settings.result_retention_s, replica_ack)
-        jobs = DetachedJobs(lifecycle, settings.reasoning_field)
-        results = BackgroundResults(lifecycle, jobs, settings.result_retention_s)
+        results = ResultStore(redis, keys, lifecycle, settings.result_retention_s)
         install(
             app.state,
             Services(
@@ -95,19 +94,19 @@ def create_app(settings: ApiSettings) -> FastAPI:
                 metrics=app_metrics,
                 directory=directory,
                 lifecycle=lifecycle,
-                submitter=submitter,
+                jobs=client,
                 files=files,
                 batches=batches,
                 responses=ResponseStore(redis, keys, settings.result_retention_s),
                 images=ImageIntake(ImageLoader(settings, app_metrics), directory, files),
-                detached_jobs=jobs,
-                background_results=results,
+                results=results,
             ),
         )
         housekeeper = Housekeeper(
             lifecycle, directory, results, settings.batch_poll_interval_s, settings.no_worker_grace_s
         )
-        runner = BatchRunner(redis, keys, settings, batches, files, jobs, submitter, directory, lifecycle)
+        line_states = DetachedJobs(lifecycle, settings.reasoning_field)
+        runner = BatchRunner(redis, keys, settings, batches, files, line_states, client, directory, lifecycle)
         housekeeper.start()
         runner.start()
         logger.info("API ready; Redis at %s", settings.redis_target.describe())

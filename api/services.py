@@ -16,9 +16,8 @@ from api.batches.file_store import FileStore
 from api.batches.store import BatchStore
 from api.draining import DrainGate
 from api.images.request import ImageIntake
-from api.jobs.background_results import BackgroundResults
-from api.jobs.detached import DetachedJobs
-from api.jobs.submitter import JobSubmitter
+from api.jobs.client import JobClient
+from api.jobs.results import ResultStore
 from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
 from api.response_store import ResponseStore
@@ -33,13 +32,12 @@ class Services:
     metrics: Metrics
     directory: WorkerDirectory
     lifecycle: JobLifecycle
-    submitter: JobSubmitter
+    jobs: JobClient
     files: FileStore
     batches: BatchStore
     responses: ResponseStore
     images: ImageIntake
-    detached_jobs: DetachedJobs
-    background_results: BackgroundResults
+    results: ResultStore
 
 
 def install(state: State, services: Services) -> None:

@@ -139,4 +139,9 @@ def encode_event(event: AnyEvent) -> bytes:
 
 
 def decode_event(payload: bytes) -> AnyEvent:
-    return _job_event_adapter.validate_python(msgpack.unpackb(payload, raw=False))
+    return event_from_json(msgpack.unpackb(payload, raw=False))
+
+
+def event_from_json(data: object) -> AnyEvent:
+    """An event from its JSON form (``model_dump(mode="json")``)."""
+    return _job_event_adapter.validate_python(data)

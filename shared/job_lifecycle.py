@@ -435,7 +435,7 @@ class JobLifecycle:
         """Keep a background job's ``result`` (JSON) for ``retention_s`` and stop collecting it,
         in one transaction: a result is never dropped from the set before it is stored."""
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._keys.job_result(job_id), result, ex=retention_s)
+            pipe.set(self._keys.ended_job(job_id), result, ex=retention_s)
             pipe.srem(self._keys.background_jobs(), job_id)
             await pipe.execute()
 

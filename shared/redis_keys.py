@@ -125,9 +125,10 @@ class RedisKeys:
         """Pub/sub channel every worker listens on for running jobs to abort."""
         return f"{self.prefix}:cancel"
 
-    def job_result(self, job_id: str) -> str:
-        """A finished background job's response body (JSON), kept for the retention period."""
-        return f"{self.prefix}:job:{job_id}:result"
+    def ended_job(self, job_id: str) -> str:
+        """An ended background job's result (JSON: the job, how it ended and its events), kept
+        for the retention period."""
+        return f"{self.prefix}:job:{job_id}:ended"
 
     def background_jobs(self) -> str:
         """Set of background job ids still running: API processes collect their results."""

@@ -21,8 +21,8 @@ from api.audio.decode import SAMPLE_RATE
 from api.audio.form import AudioRequest
 from api.audio.windows import cut_windows
 from api.jobs.build import job_id_for
+from api.jobs.client import JobClient
 from api.jobs.stream import ClientDisconnected, JobStream
-from api.jobs.submitter import JobSubmitter
 from api.render.accumulator import JobFailed
 from api.render.chat_stream import DONE, error_chunk
 from api.render.transcript import Transcript
@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 class Recording:
     """One recording's windows: queued together, followed in order, cleaned up together."""
 
-    def __init__(self, submitter: JobSubmitter, body: AudioRequest, samples: np.ndarray, arrived_at: float) -> None:
+    def __init__(self, jobs: JobClient, body: AudioRequest, samples: np.ndarray, arrived_at: float) -> None:
         """``samples``: the whole recording, 16 kHz mono int16."""
-        self.submitter = submitter
+        self.jobs = jobs
         self.body = body
         self.samples = samples
         self.duration_s = len(samples) / SAMPLE_RATE
@@ -55,8 +55,8 @@ class Recording:
     async def submit(self, request: Request) -> None:
         """Store every window's samples, then queue every window (only the first counts towards
         the key's limit of open requests: a recording is one request)."""
-        state, lifecycle = request.state, self.submitter.lifecycle
-        samples_per_window = cut_windows(self.samples, self.submitter.settings.audio_window_s)
+        state, lifecycle = request.state, self.jobs.lifecycle
+        samples_per_window = cut_windows(self.samples, self.jobs.settings.audio_window_s)
         recording_id = self.recording_id = job_id_for("trsc", state.request_id, state.request_id_is_ours)
         tenant, created = tenant_of(request).owner, int(time.time())
         jobs = []
@@ -82,7 +82,7 @@ class Recording:
         )  # fmt: skip
         try:
             for index, (job, _) in enumerate(jobs):
-                stream = await self.submitter.submit_job(
+                stream = await self.jobs.stream(
                     job, request.is_disconnected, self.arrived_at, counts_for_key=index == 0
                 )
                 self.streams.append(stream)
@@ -150,12 +150,12 @@ class Recording:
             return
         self._audio_left = [job_id for job_id in self._audio_left if job_id not in dropping]
         try:
-            await self.submitter.lifecycle.drop_audio(dropping)
+            await self.jobs.lifecycle.drop_audio(dropping)
         except RedisError:
             logger.warning("could not delete the audio of %s: it expires by itself", dropping)
 
     def _observe(self) -> None:
-        metrics, model = self.submitter.metrics, self.body.model
+        metrics, model = self.jobs.metrics, self.body.model
         task = "translate" if self.body.translate else "transcribe"
         elapsed_s = time.monotonic() - self.arrived_at
         metrics.audio_seconds.labels(model, task).inc(self.duration_s)

@@ -24,8 +24,8 @@ from api.batches.file_store import FileStore
 from api.batches.store import BatchStore, StoredBatch
 from api.batches.validation import REQUEST_MODELS, validate_batch_file
 from api.jobs.build import BATCH, make_job
+from api.jobs.client import JobClient
 from api.jobs.detached import DetachedJobs, JobOutcome
-from api.jobs.submitter import JobSubmitter
 from api.jobs.worker_directory import WorkerDirectory
 from api.settings import ApiSettings
 from api.wire.openai.batch import (
@@ -43,8 +43,6 @@ from shared.redis_replies import as_bytes, as_text
 from shared.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
-
-_NO_LIMIT = 2**31
 
 
 def output_line(line: BatchInputLine, job_id: str, outcome: JobOutcome) -> BatchOutputLine:
@@ -68,7 +66,7 @@ class BatchRunner:
         batches: BatchStore,
         files: FileStore,
         jobs: DetachedJobs,
-        submitter: JobSubmitter,
+        client: JobClient,
         directory: WorkerDirectory,
         lifecycle: JobLifecycle,
     ) -> None:
@@ -79,7 +77,7 @@ class BatchRunner:
         self._batches = batches
         self._files = files
         self._jobs = jobs
-        self._submitter = submitter
+        self._client = client
         self._directory = directory
         self._task: asyncio.Task[None] | None = None
 
@@ -200,7 +198,7 @@ class BatchRunner:
                 job = make_job(request, request_id, is_ours=True, tenant=batch.owner, priority=BATCH)  # type: ignore[arg-type]
                 # An advance cut short after the enqueue but before the trim must not run a line twice.
                 if await self._lifecycle.record(job.job_id) is None:
-                    await self._submitter.submit_detached(job, queue=queue, limit=_NO_LIMIT)
+                    await self._client.batch_line(job, queue)
             except RedisError:
                 raise
             except Exception as exc:

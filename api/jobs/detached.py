@@ -1,7 +1,8 @@
-"""Jobs no client streams (background jobs, batch lines): how each one stands, and its response
-once it has ended, read from its event log with the same collectors a live request uses.
+"""Batch lines, which no client streams: how each one stands, and its response once it has ended,
+read from its event log with the same collectors a live request uses (a background job's ended
+form is kept by :mod:`api.jobs.results` and rendered by its API).
 
-A detached job whose worker died is settled by the :class:`~api.jobs.housekeeping.Housekeeper`,
+A line whose worker died is settled by the :class:`~api.jobs.housekeeping.Housekeeper`,
 like any job. Any API process may look at any job: everything read is in Redis.
 """
 

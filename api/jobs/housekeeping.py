@@ -27,9 +27,9 @@ from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
-from api.jobs.background_results import BackgroundResults
 from api.jobs.orphans import OrphanAction, Orphans
 from api.jobs.redis_outage import RedisOutage
+from api.jobs.results import ResultStore
 from api.jobs.worker_directory import WorkerDirectory
 from shared.job_lifecycle import JobLifecycle, JobState
 from shared.tasks import cancel_and_wait
@@ -44,7 +44,7 @@ class Housekeeper:
         self,
         lifecycle: JobLifecycle,
         directory: WorkerDirectory,
-        results: BackgroundResults,
+        results: ResultStore,
         interval_s: float,
         no_worker_grace_s: float,
     ) -> None:

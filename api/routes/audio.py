@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from api.audio.decode import decode_audio_async
 from api.audio.form import AudioRequest, audio_request, read_form
 from api.audio.recording import Recording
+from api.jobs.client import JobClient
 from api.jobs.stream import ClientDisconnected
-from api.jobs.submitter import JobSubmitter
 from api.render.chat_stream import sse_response
 from api.render.transcript import Transcript
 from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, OpenApiResponses
@@ -80,17 +80,17 @@ async def create_translation(request: Request) -> Response:
 
 
 async def _serve(request: Request, translate: bool) -> Response:
-    submitter = services_of(request).submitter
-    settings = submitter.settings
+    jobs = services_of(request).jobs
+    settings = jobs.settings
     form = await read_form(request)
     try:
         body = await audio_request(form, translate, settings.max_audio_bytes)
     finally:
         await form.close()
     arrived_at = time.monotonic()
-    await _require_transcription_model(submitter, body)
+    await _require_transcription_model(jobs, body)
     samples = await decode_audio_async(body.audio, settings.max_audio_seconds)
-    run = Recording(submitter, body, samples, arrived_at)
+    run = Recording(jobs, body, samples, arrived_at)
     await run.submit(request)
     try:
         is_client_here = await run.wait_for_start(settings.sse_ping_interval_s if body.stream else None)
@@ -126,11 +126,11 @@ def render(transcript: Transcript, response_format: str, with_words: bool) -> Re
     return JSONResponse(transcript.as_json().model_dump(exclude_none=True))
 
 
-async def _require_transcription_model(submitter: JobSubmitter, body: AudioRequest) -> None:
+async def _require_transcription_model(jobs: JobClient, body: AudioRequest) -> None:
     """A live worker serves the model (404/503 otherwise), it transcribes, and it can do what is asked."""
     model = body.model
-    await submitter.directory.require_worker(model)
-    workers = await submitter.directory.workers(model)
+    await jobs.directory.require_worker(model)
+    workers = await jobs.directory.workers(model)
     tasks = {worker.task for worker in workers}
     if tasks and "transcribe" not in tasks:
         serves = "embeddings" if tasks == {"embed"} else "chat and text completions"

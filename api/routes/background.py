@@ -1,25 +1,29 @@
 """Background chat jobs (extension, modelled on OpenAI's background mode and stored completions):
 ``POST /v1/chat/completions`` with ``"background": true`` answers at once; the job is polled
 with ``GET /v1/chat/completions/{id}``, cancelled with ``POST .../{id}/cancel`` and its stored
-result removed with ``DELETE .../{id}``."""
+result removed with ``DELETE .../{id}``.
+
+While it runs, a poll answers a ``chat.completion`` with no choices and its ``status``; once it
+ended, the completion a non-stream request would have received (``status: completed``), or the
+summary with the error (``failed``) or without (``cancelled``), rendered from the result store
+(:mod:`api.jobs.results`)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import Request
 from fastapi.routing import APIRouter
 
-from api.jobs.background import job_summary
-from api.jobs.background_results import BackgroundResults
-from api.jobs.detached import DetachedJobs
+from api.jobs.detached import render_outcome
+from api.jobs.results import EndedJob
+from api.render.background import background_summary
 from api.routes.chat import ERROR_RESPONSES
 from api.services import services_of
-from api.tenancy import Tenant, tenant_of
-from shared.contract import ChatJob, decode_job
+from api.tenancy import tenant_of
+from shared.contract import AnyJob, ChatJob, decode_job
 from shared.errors import ErrorKind, RelayError
-from shared.job_lifecycle import JobLifecycle
+from shared.job_lifecycle import JobState
 
 router = APIRouter()
 
@@ -28,54 +32,52 @@ def _not_found(job_id: str) -> RelayError:
     return RelayError(ErrorKind.NOT_FOUND, f"No background chat completion `{job_id}` (or it expired).")
 
 
-async def _background_job(lifecycle: JobLifecycle, job_id: str, tenant: Tenant) -> ChatJob:
-    """The job, if it is a background job the tenant may see; another key's is a 404."""
-    payload = await lifecycle.payload(job_id)
-    job = decode_job(payload) if payload is not None else None
-    if not isinstance(job, ChatJob) or not job.delivery.background or not tenant.can_see(job.tenant):
+async def _ended_or_job(request: Request, job_id: str) -> EndedJob | ChatJob:
+    """The job's kept result once it has ended (kept now if it just did), else the job; a 404
+    for one that is not a background chat completion, or is another key's."""
+    services = services_of(request)
+    tenant = tenant_of(request)
+    ended = await services.results.get(job_id)
+    if ended is None:
+        payload = await services.lifecycle.payload(job_id)
+        job = decode_job(payload) if payload is not None else None
+        if not _is_background_chat(job) or not tenant.can_see(job.tenant if job else None):
+            raise _not_found(job_id)
+        ended = await services.results.keep(job_id)
+        if ended is None:
+            assert isinstance(job, ChatJob)
+            return job
+    if (ended.job is not None and not _is_background_chat(ended.job)) or not tenant.can_see(ended.tenant):
         raise _not_found(job_id)
-    return job
+    return ended
 
 
-async def _stored_result(request: Request, job_id: str) -> dict[str, Any] | None:
-    """The kept result of an ended background job, if the asking key may see it (404 if not)."""
-    state = services_of(request)
-    raw = await state.redis.get(state.settings.keys.job_result(job_id))
-    if raw is None:
-        return None
-    record: dict[str, Any] = json.loads(raw)
-    if not tenant_of(request).can_see(record.get("tenant")):
-        raise _not_found(job_id)
-    return record
+def _is_background_chat(job: AnyJob | None) -> bool:
+    """A background Response runs as a chat job too, but is reached only through its response id."""
+    return isinstance(job, ChatJob) and job.delivery.background
 
 
-def _from_record(job_id: str, record: dict[str, Any], job: ChatJob | None) -> dict[str, Any]:
-    body = record.get("body") or {}
-    if record["status"] == "completed":
-        return {**body, "status": "completed"}
-    summary = {**record.get("summary", {}), **(job_summary(job, record["status"]) if job else {})}
-    summary.update(id=job_id, status=record["status"])
-    if record["status"] == "failed":
-        summary["error"] = body.get("error")
-    return summary
+async def _render(ended: EndedJob, reasoning_field: str) -> dict[str, Any]:
+    if ended.job is None:
+        gone = RelayError(ErrorKind.EXPIRED, f"Job `{ended.job_id}` is gone from Redis (it expired, or Redis lost it).")
+        summary = {"id": ended.job_id, "object": "chat.completion", "status": "failed", "choices": []}
+        return {**summary, "error": gone.to_body()["error"]}
+    if ended.state is JobState.CANCELLED:
+        return background_summary(ended.job, "cancelled")
+    outcome = await render_outcome(ended.job, ended.replay(), reasoning_field)
+    if outcome.succeeded:
+        return {**outcome.body, "status": "completed"}
+    return {**background_summary(ended.job, "failed"), "error": outcome.body.get("error")}
 
 
 @router.get("/v1/chat/completions/{job_id}", responses=ERROR_RESPONSES, summary="Poll a background chat completion")
 async def get_background(request: Request, job_id: str) -> dict[str, Any]:
-    state = services_of(request)
-    stored = await _stored_result(request, job_id)
-    if stored is not None:
-        return _from_record(job_id, stored, None)
-    job = await _background_job(state.lifecycle, job_id, tenant_of(request))
-    jobs: DetachedJobs = state.detached_jobs
-    current = (await jobs.states([job_id]))[job_id]
-    if current.outcome is None:
-        return job_summary(job, current.status)
-    results: BackgroundResults = state.background_results
-    status = "completed" if current.outcome.succeeded else "failed"
-    await results.store(job_id, status, current.outcome, job_summary(job, status), job.tenant)
-    stored = await _stored_result(request, job_id)
-    return job_summary(job, status) if stored is None else _from_record(job_id, stored, job)
+    found = await _ended_or_job(request, job_id)
+    if isinstance(found, EndedJob):
+        return await _render(found, services_of(request).settings.reasoning_field)
+    record = await services_of(request).lifecycle.record(job_id)
+    running = record is not None and record.state is JobState.RUNNING
+    return background_summary(found, "in_progress" if running else "queued")
 
 
 @router.post(
@@ -84,27 +86,17 @@ async def get_background(request: Request, job_id: str) -> dict[str, Any]:
     summary="Cancel a background chat completion",
 )
 async def cancel_background(request: Request, job_id: str) -> dict[str, Any]:
-    state = services_of(request)
-    stored = await _stored_result(request, job_id)
-    if stored is not None:
-        return _from_record(job_id, stored, None)  # already over: nothing to cancel
-    job = await _background_job(state.lifecycle, job_id, tenant_of(request))
-    await state.lifecycle.cancel([job_id])
-    results: BackgroundResults = state.background_results
-    await results.store(job_id, "cancelled", None, job_summary(job, "cancelled"), job.tenant)
-    return job_summary(job, "cancelled")
+    """Idempotent: an ended job is answered as it ended."""
+    found = await _ended_or_job(request, job_id)
+    ended = found if isinstance(found, EndedJob) else await services_of(request).results.cancel(job_id)
+    return await _render(ended, services_of(request).settings.reasoning_field)
 
 
 @router.delete(
     "/v1/chat/completions/{job_id}", responses=ERROR_RESPONSES, summary="Delete a background chat completion"
 )
 async def delete_background(request: Request, job_id: str) -> dict[str, Any]:
-    state = services_of(request)
-    redis, keys = state.redis, state.settings.keys
-    if await _stored_result(request, job_id) is None:
-        await _background_job(state.lifecycle, job_id, tenant_of(request))  # 404 unless it exists
+    if not isinstance(await _ended_or_job(request, job_id), EndedJob):
         raise RelayError(ErrorKind.CONFLICT, f"Chat completion `{job_id}` is still running; cancel it first.")
-    # The request and event log go too, so the job is gone for good (not collected again).
-    await redis.delete(keys.job_result(job_id))
-    await state.lifecycle.delete(job_id)
+    await services_of(request).results.delete(job_id)
     return {"id": job_id, "object": "chat.completion.deleted", "deleted": True}

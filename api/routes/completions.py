@@ -7,7 +7,8 @@ from fastapi import APIRouter, Request, Response
 from api.jobs.stream import ClientDisconnected
 from api.render.chat_stream import sse_response
 from api.render.completion import collect_text_completion, sse_completion_chunks
-from api.routes.chat import CLIENT_CLOSED_REQUEST, start_stream, with_errors
+from api.routes.chat import CLIENT_CLOSED_REQUEST, with_errors
+from api.routes.start import job_of, start_stream
 from api.services import services_of
 from api.wire.openai.completion_request import CompletionRequest
 from api.wire.openai.completion_response import Completion
@@ -22,12 +23,11 @@ router = APIRouter()
     summary="Create a text completion (OpenAI-compatible; SSE when stream=true)",
 )
 async def create_completion(body: CompletionRequest, request: Request) -> Response | Completion:
-    submitter = services_of(request).submitter
-    stream = await start_stream(submitter, body, request)
+    stream = await start_stream(request, job_of(request, body))
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if body.stream:
-        return sse_response(sse_completion_chunks(stream, body.include_usage), submitter.settings)
+        return sse_response(sse_completion_chunks(stream, body.include_usage), services_of(request).settings)
     try:
         return await collect_text_completion(stream)
     except ClientDisconnected:

@@ -6,8 +6,8 @@ from fastapi import APIRouter, Request, Response
 
 from api.jobs.stream import ClientDisconnected
 from api.render.embeddings import collect_embeddings
-from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, start_stream
-from api.services import services_of
+from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES
+from api.routes.start import job_of, start_stream
 from api.wire.openai.embeddings import EmbeddingRequest, EmbeddingResponse
 
 router = APIRouter()
@@ -20,8 +20,7 @@ router = APIRouter()
     summary="Create embeddings (OpenAI-compatible)",
 )
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response | EmbeddingResponse:
-    submitter = services_of(request).submitter
-    stream = await start_stream(submitter, body, request)
+    stream = await start_stream(request, job_of(request, body))
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     try:

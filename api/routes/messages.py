@@ -16,7 +16,8 @@ from api.errors import translation_error
 from api.jobs.build import chat_generate
 from api.render.anthropic import collect_message, message_events
 from api.render.chat_stream import sse_response
-from api.routes.chat import CLIENT_CLOSED_REQUEST, OpenApiResponses, check_request_limits, start_stream
+from api.routes.chat import CLIENT_CLOSED_REQUEST, OpenApiResponses
+from api.routes.start import chat_job, check_request_limits, start_stream
 from api.routes.tokenize import run_tokenize
 from api.services import services_of
 from api.tenancy import tenant_of
@@ -54,10 +55,10 @@ class TokenCount(BaseModel):
 async def count_message_tokens(body: CountTokensRequest, request: Request) -> TokenCount:
     """The prompt a worker would render for the same request (system, messages, tools), counted
     by that worker's tokenizer: equal to the ``usage.input_tokens`` the request reports."""
-    submitter = services_of(request).submitter
+    services = services_of(request)
     chat = chat_request_of(body)
-    check_request_limits(chat, submitter.settings)
-    images = await services_of(request).images.load(tenant_of(request), chat.model, image_sources(body))
+    check_request_limits(chat, services.settings)
+    images = await services.images.load(tenant_of(request), chat.model, image_sources(body))
     tokenize = Tokenize(model=chat.model, chat=chat_generate(chat, images=images.refs))
     token_ids, _ = await run_tokenize(request, tokenize, images)
     return TokenCount(input_tokens=len(token_ids))
@@ -69,13 +70,10 @@ async def count_message_tokens(body: CountTokensRequest, request: Request) -> To
     summary="Create a message (Anthropic Messages API; SSE when stream=true)",
 )
 async def create_message(body: MessagesRequest, request: Request) -> Any:
-    submitter = services_of(request).submitter
-    chat = chat_request_of(body)
-    check_request_limits(chat, submitter.settings)
-    images = await services_of(request).images.load(tenant_of(request), chat.model, image_sources(body))
-    stream = await start_stream(submitter, chat, request, images)
+    job, images = await chat_job(request, chat_request_of(body), image_sources(body))
+    stream = await start_stream(request, job, images)
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if body.stream:
-        return sse_response(message_events(stream), submitter.settings)
+        return sse_response(message_events(stream), services_of(request).settings)
     return await collect_message(stream)

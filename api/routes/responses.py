@@ -16,28 +16,23 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import TypeAdapter
 
 from api.errors import translation_error
-from api.jobs.build import make_job
 from api.jobs.images import JobImages
+from api.jobs.results import EndedJob
 from api.render.chat_stream import sse_response
-from api.render.events import EventReplay
 from api.render.responses import ResponseBuilder, collect_response, response_events
-from api.response_store import ResponseStore, StoredResponse
-from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, check_request_limits, start_stream, with_errors
+from api.response_store import StoredResponse
+from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, with_errors
+from api.routes.start import chat_job, start_stream
 from api.services import services_of
 from api.tenancy import Tenant, tenant_of
 from api.wire.openai.chat_request import ChatCompletionRequest
 from api.wire.responses import InputItem, ResponsesRequest, image_sources, to_chat_request
-from shared.contract import decode_job
+from shared.contract import ChatJob
 from shared.errors import ErrorKind, RelayError
-from shared.job_lifecycle import JobLifecycle, JobState
+from shared.job_lifecycle import JobState
 
 router = APIRouter()
 _ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
-
-
-def _store(request: Request) -> ResponseStore:
-    store = services_of(request).responses
-    return store
 
 
 def _chat_request(body: ResponsesRequest, history: list[InputItem]) -> ChatCompletionRequest:
@@ -68,18 +63,22 @@ def _finished(stored: StoredResponse, final: dict[str, Any]) -> StoredResponse:
     summary="Create a model response (OpenAI Responses API; SSE when stream=true)",
 )
 async def create_response(body: ResponsesRequest, request: Request) -> Any:
-    submitter = services_of(request).submitter
+    services = services_of(request)
     tenant = tenant_of(request)
     earlier: list[dict[str, Any]] = []
     if body.previous_response_id:
-        earlier = (await _store(request).get(body.previous_response_id, tenant, "previous_response_id")).conversation
+        earlier = (await services.responses.get(body.previous_response_id, tenant, "previous_response_id")).conversation
     history = _ITEMS.validate_python(earlier)
     chat = _chat_request(body, history)
-    check_request_limits(chat, submitter.settings)
-    images = await services_of(request).images.load(tenant_of(request), chat.model, image_sources(body, history))
     if body.background:
-        return await _start_background(body, chat, earlier, request, images)
-    stream = await start_stream(submitter, chat, request, images)
+        if not body.store:
+            raise RelayError(ErrorKind.INVALID_REQUEST, "background responses must be stored (store=true)", "store")
+        # Resumable: a client that stops reading the stream leaves the job running.
+        chat = chat.model_copy(update={"resumable": True, "stream": False, "stream_options": None})
+    job, images = await chat_job(request, chat, image_sources(body, history))
+    if body.background:
+        return await _start_background(request, body, job, earlier, images)
+    stream = await start_stream(request, job, images)
     if stream is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     builder = ResponseBuilder(body, stream.job_id, input_tokens=stream.prompt_tokens or 0)
@@ -88,44 +87,33 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
 
     async def keep(final: dict[str, Any]) -> None:
         if body.store:
-            await _store(request).save(_finished(pending, final))
+            await services.responses.save(_finished(pending, final))
 
     if body.stream:
-        return sse_response(response_events(stream, builder, keep), submitter.settings)
+        return sse_response(response_events(stream, builder, keep), services.settings)
     final = await collect_response(stream, builder)
     await keep(final)
     return final
 
 
 async def _start_background(
-    body: ResponsesRequest,
-    chat: ChatCompletionRequest,
-    earlier: list[dict[str, Any]],
-    request: Request,
-    images: JobImages,
+    request: Request, body: ResponsesRequest, job: ChatJob, earlier: list[dict[str, Any]], images: JobImages
 ) -> Any:
-    """Queue a durable job and store the queued response at once; with ``stream`` the client
-    also follows its events (and may leave and replay them later)."""
-    if not body.store:
-        raise RelayError(ErrorKind.INVALID_REQUEST, "background responses must be stored (store=true)", "store")
-    submitter = services_of(request).submitter
+    """Store the queued response, then start its job detached (its result is kept once it ends);
+    with ``stream`` the client also follows its events (and may leave and replay them later)."""
+    services = services_of(request)
     tenant = tenant_of(request)
-    await submitter.directory.require_worker(chat.model)
-    # Resumable: a client that stops reading the stream leaves the job running.
-    chat = chat.model_copy(update={"resumable": True, "stream": False, "stream_options": None})
-    state = request.state
-    job = make_job(chat, state.request_id, state.request_id_is_ours, tenant.owner, images=images)
     builder = ResponseBuilder(body, job.job_id)
     queued = builder.response("queued")
     stored = StoredResponse(
         queued, _input_dicts(body, builder.id), [], tenant.owner,
         request=body.model_dump(mode="json", by_alias=True), earlier=earlier, job_id=job.job_id,
     )  # fmt: skip
-    await _store(request).save(stored)
+    await services.responses.save(stored)
     try:
-        await submitter.submit_detached(job, counts_for_key=True, images=images.data)
+        await services.jobs.detach(job, images.data)
     except BaseException:
-        await _store(request).delete(builder.id, tenant)  # never a response that no job will finish
+        await services.responses.delete(builder.id, tenant)  # never a response that no job will finish
         raise
     if body.stream:
         return await _stream_background(request, stored, tenant, starting_after=-1)
@@ -136,36 +124,28 @@ async def _current(request: Request, stored: StoredResponse) -> StoredResponse:
     """A background response as its job stands now; once the job ended, its final form is stored."""
     if stored.is_final or stored.job_id is None or stored.request is None:
         return stored
-    lifecycle = services_of(request).lifecycle
-    record = await lifecycle.record(stored.job_id)
-    body = ResponsesRequest.model_validate(stored.request)
-    builder = ResponseBuilder(body, stored.job_id, created_at=stored.response["created_at"])
-    if record is None:
-        error = RelayError(ErrorKind.EXPIRED, "The response's job is gone (it expired).")
-        final = builder.response("failed", error)
-    elif not record.state.is_final:
-        status = "in_progress" if record.state is JobState.RUNNING else "queued"
+    services = services_of(request)
+    ended = await services.results.keep(stored.job_id)
+    if ended is None:
+        record = await services.lifecycle.record(stored.job_id)
+        status = "in_progress" if record is not None and record.state is JobState.RUNNING else "queued"
         return StoredResponse({**stored.response, "status": status}, stored.input_items, [], stored.owner,
                               stored.request, stored.earlier, stored.job_id)  # fmt: skip
-    elif record.state is JobState.CANCELLED:
-        final = builder.response("cancelled")
-    else:
-        final = await _replayed(lifecycle, stored, builder)
-    done = _finished(stored, final)
-    await _store(request).save(done)
+    body = ResponsesRequest.model_validate(stored.request)
+    builder = ResponseBuilder(body, stored.job_id, created_at=stored.response["created_at"])
+    done = _finished(stored, await _rendered(ended, builder))
+    await services.responses.save(done)
     return done
 
 
-async def _replayed(lifecycle: JobLifecycle, stored: StoredResponse, builder: ResponseBuilder) -> dict[str, Any]:
-    """The final Response from an ended job's event log (the code a live request uses)."""
-    assert stored.job_id is not None
-    payload = await lifecycle.payload(stored.job_id)
-    job = decode_job(payload) if payload is not None else None
-    if job is None:
-        return builder.response("failed", RelayError(ErrorKind.EXPIRED, "The response's job is gone."))
-    events = await lifecycle.read_log(stored.job_id)
+async def _rendered(ended: EndedJob, builder: ResponseBuilder) -> dict[str, Any]:
+    """The final Response of an ended job, from its kept events (the code a live request uses)."""
+    if ended.job is None:
+        return builder.response("failed", RelayError(ErrorKind.EXPIRED, "The response's job is gone (it expired)."))
+    if ended.state is JobState.CANCELLED:
+        return builder.response("cancelled")
     try:
-        return await collect_response(EventReplay(job, events), builder)
+        return await collect_response(ended.replay(), builder)
     except RelayError as error:
         return builder.response("failed", error)
 
@@ -173,21 +153,21 @@ async def _replayed(lifecycle: JobLifecycle, stored: StoredResponse, builder: Re
 async def _stream_background(request: Request, stored: StoredResponse, tenant: Tenant, starting_after: int) -> Any:
     """The response's events from the start (the SDK needs ``response.created`` first), without
     those up to ``starting_after``; live until it ends."""
-    submitter = services_of(request).submitter
+    jobs = services_of(request).jobs
     assert stored.job_id is not None and stored.request is not None
     body = ResponsesRequest.model_validate(stored.request)
-    stream = await submitter.attach(stored.job_id, None, tenant)
+    stream = await jobs.attach(stored.job_id, None, tenant)
     builder = ResponseBuilder(body, stored.job_id, created_at=stored.response["created_at"])
 
     async def keep(final: dict[str, Any]) -> None:
-        await _store(request).save(_finished(stored, final))
+        await services_of(request).responses.save(_finished(stored, final))
 
     async def after(events: AsyncIterator[dict[str, str]]) -> AsyncIterator[dict[str, str]]:
         async for event in events:
             if int(event["id"]) > starting_after:
                 yield event
 
-    return sse_response(after(response_events(stream, builder, keep, with_ids=True)), submitter.settings)
+    return sse_response(after(response_events(stream, builder, keep, with_ids=True)), jobs.settings)
 
 
 @router.get("/v1/responses/{response_id}", responses=with_errors(200, "text/event-stream"), summary="Get a response")
@@ -195,7 +175,7 @@ async def get_response(
     request: Request, response_id: str, stream: bool = False, starting_after: int = Query(default=-1, ge=-1)
 ) -> Any:
     tenant = tenant_of(request)
-    stored = await _store(request).get(response_id, tenant)
+    stored = await services_of(request).responses.get(response_id, tenant)
     if stream:
         if stored.job_id is None:
             message = "Only a background response can be streamed again; this one was answered at once."
@@ -207,19 +187,18 @@ async def get_response(
 @router.post("/v1/responses/{response_id}/cancel", responses=ERROR_RESPONSES, summary="Cancel a background response")
 async def cancel_response(request: Request, response_id: str) -> dict[str, Any]:
     """Idempotent: an ended response is returned as it is."""
-    stored = await _current(request, await _store(request).get(response_id, tenant_of(request)))
+    stored = await _current(request, await services_of(request).responses.get(response_id, tenant_of(request)))
     if stored.is_final:
         return stored.response
     if stored.job_id is None:
         raise RelayError(ErrorKind.INVALID_REQUEST, "Only a background response can be cancelled.", "response_id")
-    lifecycle = services_of(request).lifecycle
-    await lifecycle.cancel([stored.job_id])
+    await services_of(request).results.cancel(stored.job_id)
     return (await _current(request, stored)).response
 
 
 @router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES, summary="Delete a stored response")
 async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
-    await _store(request).delete(response_id, tenant_of(request))
+    await services_of(request).responses.delete(response_id, tenant_of(request))
     return {"id": response_id, "object": "response", "deleted": True}
 
 
@@ -233,7 +212,7 @@ async def list_input_items(
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
 ) -> dict[str, Any]:
-    items = (await _store(request).get(response_id, tenant_of(request))).input_items
+    items = (await services_of(request).responses.get(response_id, tenant_of(request))).input_items
     ordered = items if order == "asc" else list(reversed(items))
     ids = [item["id"] for item in ordered]
     if after is not None:

@@ -30,12 +30,12 @@ def _last_event_id(header: str | None, query: int | None) -> int | None:
 
 
 async def _attach(request: Request, job_id: str, last_event_id: int | None, kind: type) -> EventSourceResponse:
-    submitter = services_of(request).submitter
-    stream = await submitter.attach(job_id, last_event_id, tenant_of(request))
+    jobs = services_of(request).jobs
+    stream = await jobs.attach(job_id, last_event_id, tenant_of(request))
     if not isinstance(stream.job, kind):
         await stream.close()
         raise RelayError(ErrorKind.NOT_FOUND, f"No {kind.__name__.removesuffix('Job').lower()} job `{job_id}`.")
-    settings = submitter.settings
+    settings = jobs.settings
     job = stream.job
     if isinstance(job, ChatJob):
         chunks = sse_chunks(stream, job.delivery.include_usage, settings.reasoning_field, last_event_id is None)

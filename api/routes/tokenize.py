@@ -64,10 +64,9 @@ class DetokenizeResponse(BaseModel):
 async def run_tokenize(request: Request, tokenize: Tokenize, images: JobImages = NO_IMAGES) -> tuple[list[int], str]:
     """The token ids (and, detokenizing, the text) one of the model's workers answers with;
     ``images``: those the chat's messages name, loaded."""
-    submitter = services_of(request).submitter
     state = request.state
     job = tokenize_job(tokenize, state.request_id, state.request_id_is_ours, tenant_of(request).owner)
-    stream = await submitter.submit_job(job, request.is_disconnected, images=images.data)
+    stream = await services_of(request).jobs.stream(job, request.is_disconnected, images=images.data)
     try:
         result = await collect(stream, JobResult())
     except ClientDisconnected:

@@ -4,7 +4,6 @@ dead worker's job, fails what no worker can serve, and keeps the results of back
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 import uuid
@@ -15,9 +14,8 @@ import pytest
 import redis as sync_redis
 from redis.asyncio import Redis
 
-from api.jobs.background_results import BackgroundResults
-from api.jobs.detached import DetachedJobs
 from api.jobs.housekeeping import Housekeeper
+from api.jobs.results import EndedJob, ResultStore
 from api.jobs.worker_directory import WorkerDirectory
 from relaylm.redis_launcher import find_redis_server, start_redis
 from shared.contract import ChatJob, Delivery, Generate, Message, encode_job
@@ -48,7 +46,7 @@ async def env(redis_url: str) -> AsyncIterator[Env]:
     sync_client = sync_redis.Redis.from_url(redis_url)
     lifecycle = JobLifecycle(redis, keys)
     directory = WorkerDirectory(redis, keys)
-    results = BackgroundResults(lifecycle, DetachedJobs(lifecycle, "reasoning_content"), retention_s=60)
+    results = ResultStore(redis, keys, lifecycle, retention_s=60)
     housekeeper = Housekeeper(lifecycle, directory, results, interval_s=0.05, no_worker_grace_s=GRACE_S)
     try:
         yield Env(redis, keys, lifecycle, EventAppender(sync_client, keys), housekeeper)
@@ -121,11 +119,12 @@ async def test_a_finished_background_jobs_result_is_kept_and_it_is_no_longer_col
 
     await env.housekeeper.tick()
 
-    raw = await env.redis.get(env.keys.job_result("bg"))
+    raw = await env.redis.get(env.keys.ended_job("bg"))
     assert raw is not None
-    result = json.loads(raw)
-    assert result["status"] == "completed"
-    assert result["body"]["choices"][0]["message"]["content"] == "hello"
+    ended = EndedJob.from_json("bg", raw)
+    assert ended.state is JobState.FINISHED and ended.events == events
+    assert isinstance(ended.job, ChatJob) and ended.job.request.messages[0].content == "x"
+    assert 0 < await env.redis.ttl(env.keys.ended_job("bg")) <= 60
     assert await env.lifecycle.background_job_ids() == []
 
 
@@ -173,7 +172,7 @@ async def test_after_redis_did_not_answer_no_job_is_judged_for_a_lease() -> None
     keys = RedisKeys(f"t{uuid.uuid4().hex[:8]}")
     lifecycle = JobLifecycle(redis, keys)
     directory = WorkerDirectory(redis, keys)
-    results = BackgroundResults(lifecycle, DetachedJobs(lifecycle, "reasoning_content"), retention_s=60)
+    results = ResultStore(redis, keys, lifecycle, retention_s=60)
     housekeeper = Housekeeper(lifecycle, directory, results, interval_s=0.05, no_worker_grace_s=GRACE_S)
     sync_client = sync_redis.Redis.from_url(own.url)
     env = Env(redis, keys, lifecycle, EventAppender(sync_client, keys), housekeeper)

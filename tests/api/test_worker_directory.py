@@ -13,9 +13,8 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from api.jobs.background_results import BackgroundResults
-from api.jobs.detached import DetachedJobs
 from api.jobs.housekeeping import Housekeeper
+from api.jobs.results import ResultStore
 from api.jobs.worker_directory import ModelWorkers, WorkerDirectory
 from shared.contract import CONTRACT_VERSION, ChatJob, Delivery, Generate, Message, encode_job
 from shared.errors import ErrorKind, RelayError
@@ -122,7 +121,7 @@ async def test_a_queued_job_fails_after_the_grace_while_its_models_only_worker_l
     redis, keys = registry
     lifecycle = JobLifecycle(redis, keys)
     directory = WorkerDirectory(redis, keys)
-    results = BackgroundResults(lifecycle, DetachedJobs(lifecycle, "reasoning_content"), retention_s=60)
+    results = ResultStore(redis, keys, lifecycle, retention_s=60)
     housekeeper = Housekeeper(lifecycle, directory, results, interval_s=0.05, no_worker_grace_s=GRACE_S)
     # The model was last served long ago; its worker heartbeats now, loading.
     await _heartbeat(redis, keys, _info("w", "loading"), last_seen=time.time() - 3600)

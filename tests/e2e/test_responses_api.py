@@ -17,6 +17,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+import redis
 
 from tests.conftest import make_stack
 from tests.support.qwen import tiny_random_qwen3_dir
@@ -180,6 +181,23 @@ def test_a_background_response_is_polled_replayed_and_cancelled(responses_stack:
     assert cancelled.status == "cancelled" and client.responses.cancel(long.id).status == "cancelled"
     with pytest.raises(openai.NotFoundError):
         _client(responses_stack, KEY_B).responses.cancel(long.id)
+
+
+def test_a_background_response_is_kept_after_its_jobs_log_is_gone(responses_stack: Stack) -> None:
+    # Never polled while it runs: the API's housekeeper keeps its result, and a poll after the
+    # job's own record and log expired (an hour after it ends) still answers it.
+    client = _client(responses_stack)
+    response = client.responses.create(
+        model=MODEL, input="hello", background=True, max_output_tokens=8, temperature=0, reasoning=NO_THINKING
+    )
+    job_id = response.id.removeprefix("resp_")
+    keys = responses_stack.keys
+    with redis.Redis.from_url(responses_stack.redis_url) as direct:
+        wait_until(lambda: direct.exists(keys.ended_job(job_id)) == 1, "the ended response's result was not kept")
+        assert direct.delete(keys.job(job_id), keys.job_event_log(job_id)) == 2
+    done = client.responses.retrieve(response.id)
+    assert done.status in ("completed", "incomplete") and done.output_text
+    assert done.usage is not None and done.usage.output_tokens >= 1
 
 
 def test_unsupported_requests_are_400s_naming_the_field(responses_stack: Stack) -> None:

@@ -245,8 +245,8 @@ async def test_a_background_result_is_kept_as_the_job_leaves_the_background_set(
     assert await lifecycle.background_job_ids() == ["b2"]
     client = Redis.from_url(redis_url)
     try:
-        assert await client.get(keys.job_result("b1")) == b'{"status": "completed"}'
-        assert 0 < await client.ttl(keys.job_result("b1")) <= 60
+        assert await client.get(keys.ended_job("b1")) == b'{"status": "completed"}'
+        assert 0 < await client.ttl(keys.ended_job("b1")) <= 60
     finally:
         await client.aclose()
 

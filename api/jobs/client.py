@@ -1,19 +1,18 @@
-"""Submit a job: check the registry, subscribe to the job's channel (confirmed), then create the
-queued job through the lifecycle in one Redis round trip, under the model's queue limit."""
+"""Start a job and follow it: check the registry, subscribe to the job's channel (confirmed) when
+a client streams it, then create the queued job through the lifecycle in one Redis round trip,
+under the model's queue limit and its key's."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
-import uuid
 from collections.abc import Mapping
 
 from redis.exceptions import RedisError
 
-from api.jobs.build import SubmittableRequest, make_job
+from api.jobs.build import SubmittableRequest
 from api.jobs.event_router import EventRouter
-from api.jobs.images import NO_IMAGES, JobImages
 from api.jobs.stream import DisconnectProbe, JobStream, StreamServices
 from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
@@ -39,7 +38,13 @@ from shared.redis_keys import RedisKeys
 logger = logging.getLogger(__name__)
 
 
-class JobSubmitter:
+class JobClient:
+    """Starts every job the API runs, and follows it: ``stream`` (a client reads the events as
+    they come), ``detach`` (a background job: nobody streams it, its result is kept once it
+    ends), ``batch_line`` (a batch's line, in its batch queue) and ``attach`` (a client comes
+    back to a job). A started job's model is checked once, here, for a live worker (a batch line
+    is not: it waits for one within its batch's window)."""
+
     def __init__(
         self,
         lifecycle: JobLifecycle,
@@ -57,24 +62,7 @@ class JobSubmitter:
         self.metrics = metrics
         self._services = StreamServices(lifecycle, router, directory, settings)
 
-    async def submit(
-        self,
-        request: SubmittableRequest,
-        request_id: str | None = None,
-        is_disconnected: DisconnectProbe | None = None,
-        request_id_is_ours: bool = True,
-        tenant: str | None = None,
-        images: JobImages = NO_IMAGES,
-    ) -> JobStream:
-        """``tenant``: the asking key's owner id; it owns the job (a reconnect must be its own)
-        and counts towards the key's limit of open requests. ``images``: the request's, loaded."""
-        arrived_at = time.monotonic()
-        request_id = request_id or uuid.uuid4().hex
-        log_unknown_fields(request, request_id)
-        job = make_job(request, request_id, request_id_is_ours, tenant, images=images)
-        return await self.submit_job(job, is_disconnected, arrived_at, images=images.data)
-
-    async def submit_job(
+    async def stream(
         self,
         job: AnyJob,
         is_disconnected: DisconnectProbe | None = None,
@@ -82,10 +70,9 @@ class JobSubmitter:
         counts_for_key: bool = True,
         images: Mapping[str, bytes] | None = None,
     ) -> JobStream:
-        """Enqueue a job the caller built and stream its events (its model's workers checked first).
-        ``counts_for_key``: the job counts towards its key's limit of open requests (one job of a
-        request made of several counts, the others not); ``images``: the bytes of the images the
-        job names, by SHA-256."""
+        """Queue ``job`` and stream its events. ``counts_for_key``: the job counts towards its
+        key's limit of open requests (one job of a request made of several counts, the others
+        not); ``images``: the bytes of the images the job names, by SHA-256."""
         arrived_at = time.monotonic() if arrived_at is None else arrived_at
         request_id, job_id, model = job.request_id, job.job_id, job.model
         await self.directory.require_worker(model)
@@ -103,26 +90,22 @@ class JobSubmitter:
             logger.info("job %s prompt: %s", job_id, _prompt_for_log(job))
         return JobStream(self._services, job, queue, is_disconnected, observer)
 
-    async def submit_detached(
-        self,
-        job: AnyJob,
-        queue: str | None = None,
-        limit: int | None = None,
-        track: bool = False,
-        counts_for_key: bool | None = None,
-        images: Mapping[str, bytes] | None = None,
-    ) -> None:
-        """Enqueue a job no client streams (a background job, a batch line): its result is
-        collected from its event log. ``queue``: the model's interactive queue unless given;
-        ``track``: add it to the background set that API processes collect results for (and
-        count it towards its key's limit of open requests, as a streamed request counts)."""
-        counts_for_key = track if counts_for_key is None else counts_for_key
-        await self._enqueue(job, queue, limit, counts_for_key=counts_for_key, images=images)
-        if track:
-            try:
-                await self.lifecycle.track_background(job.job_id)
-            except RedisError as exc:
-                raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
+    async def detach(self, job: AnyJob, images: Mapping[str, bytes] | None = None) -> None:
+        """Queue a background job: API processes keep its result once it ends
+        (:class:`~api.jobs.results.ResultStore`), and it counts towards its key's limit of open
+        requests, as a streamed request does."""
+        await self.directory.require_worker(job.model)
+        await self._enqueue(job, images=images)
+        try:
+            await self.lifecycle.track_background(job.job_id)
+        except RedisError as exc:
+            raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
+        log_transition(logger, "queued", job.job_id, job.request_id, model=job.model, detached=True)
+
+    async def batch_line(self, job: AnyJob, queue: str) -> None:
+        """Queue a batch line in its batch ``queue``, under no queue limit and outside its key's
+        (a batch's lines are limited when the batch is created); the batch runner collects it."""
+        await self._enqueue(job, queue, limit=0, counts_for_key=False)
         log_transition(logger, "queued", job.job_id, job.request_id, model=job.model, detached=True)
 
     async def _enqueue(
