@@ -62,8 +62,9 @@ class JobState(StrEnum):
 
 # KEYS: job, queue, queue's running set, the tenant's open jobs. ARGV: limit (0: none), payload,
 # model, queue, now (ms), score, wake channel, record TTL (s), job id, tenant ('' for none), the
-# tenant's limit (0: none; its jobs are counted only when it has one). Returns 1, 0 (queue
-# full), -1 (id taken) or -2 (the tenant has its limit of open jobs).
+# tenant's limit (0: none; its jobs are counted only when it has one), the API's delivery options
+# ('' for none). Returns 1, 0 (queue full), -1 (id taken) or -2 (the tenant has its limit of open
+# jobs).
 _CREATE = """
 local limit = tonumber(ARGV[1])
 if limit > 0 and redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3]) >= limit then return 0 end
@@ -80,7 +81,7 @@ if tenant_limit > 0 then
 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'request', ARGV[2], 'model', ARGV[3], 'queue', ARGV[4],
     'wake', ARGV[7], 'epoch', 0, 'attempts', 0, 'next_seq', 0, 'created_ms', ARGV[5], 'updated_ms', ARGV[5],
-    'tenant', ARGV[10], 'tenant_jobs', counted)
+    'tenant', ARGV[10], 'tenant_jobs', counted, 'delivery', ARGV[12])
 redis.call('EXPIRE', KEYS[1], ARGV[8])
 redis.call('ZADD', KEYS[2], ARGV[6], ARGV[9])
 redis.call('PUBLISH', ARGV[7], '')
@@ -202,6 +203,12 @@ def now_ms() -> int:
 
 
 @dataclass(frozen=True)
+class StoredJob:
+    payload: bytes  # what the job's worker reads (the contract's encoding)
+    delivery: bytes | None  # the API's; None for a job whose API kept it inside the payload
+
+
+@dataclass(frozen=True)
 class JobRecord:
     """A snapshot of a job's hash (without its request payload)."""
 
@@ -298,9 +305,12 @@ class JobLifecycle:
         limit: int = 0,
         tenant: str | None = None,
         tenant_limit: int = 0,
+        delivery: bytes = b"",
     ) -> None:
         """A new queued job; raises JobQueueFull past ``limit`` queued and running jobs in its
-        queue, TenantJobsFull past ``tenant_limit`` of the tenant's (0: no limit)."""
+        queue, TenantJobsFull past ``tenant_limit`` of the tenant's (0: no limit). ``payload`` is
+        what its worker reads; ``delivery``, how the API renders its events, is kept beside it and
+        read by API processes alone."""
         keys, now = self._keys, now_ms()
         replies = await self._replica_ack.write(
             self._redis,
@@ -309,7 +319,7 @@ class JobLifecycle:
                 keys=[keys.job(job_id), queue, keys.queue_running(queue), keys.tenant_jobs(tenant or "")],
                 args=[
                     limit, payload, model, queue, now, now, keys.queue_wake_channel(model), JOB_RECORD_TTL_S, job_id,
-                    tenant or "", tenant_limit if tenant else 0,
+                    tenant or "", tenant_limit if tenant else 0, delivery,
                 ],
                 client=pipe,
             ),
@@ -348,9 +358,12 @@ class JobLifecycle:
             replies = await pipe.execute()
         return {job_id: JobRecord.parse(job_id, values) for job_id, values in zip(job_ids, replies, strict=True)}
 
-    async def payload(self, job_id: str) -> bytes | None:
-        raw = await self._redis.hget(self._keys.job(job_id), "request")
-        return as_bytes(raw) if raw is not None else None
+    async def stored(self, job_id: str) -> StoredJob | None:
+        """The job's request payload and the API's delivery options, as created."""
+        raw, delivery = await self._redis.hmget(self._keys.job(job_id), ["request", "delivery"])
+        if raw is None:
+            return None
+        return StoredJob(as_bytes(raw), as_bytes(delivery) if delivery else None)
 
     async def running_job_ids(self) -> list[str]:
         return texts(await self._redis.zrange(self._keys.running_jobs(), 0, -1))

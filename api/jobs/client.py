@@ -28,6 +28,7 @@ from shared.contract import (
     TokenizeJob,
     TranscriptionJob,
     decode_job,
+    encode_delivery,
     encode_job,
 )
 from shared.errors import ErrorKind, RelayError
@@ -127,7 +128,8 @@ class JobClient:
             payload = self._payload(job, await self.directory.readable_version(model))
             if images:
                 await self.lifecycle.store_images(dict(images))
-            await self.lifecycle.create(job.job_id, payload, model, queue, limit, job.tenant, key_limit)
+            delivery = encode_delivery(job)
+            await self.lifecycle.create(job.job_id, payload, model, queue, limit, job.tenant, key_limit, delivery)
         except RedisError as exc:
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
         except TenantJobsFull:
@@ -170,10 +172,10 @@ class JobClient:
             )
         try:
             record = await self.lifecycle.record(job_id)
-            payload = await self.lifecycle.payload(job_id)
+            stored = await self.lifecycle.stored(job_id)
         except RedisError as exc:
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
-        job = decode_job(payload) if payload is not None else None
+        job = decode_job(stored.payload, stored.delivery) if stored is not None else None
         if record is None or job is None or not tenant.can_see(job.tenant):
             raise RelayError(ErrorKind.NOT_FOUND, f"No job `{job_id}` (it never existed or has expired).")
         next_seq = 0 if last_event_id is None else last_event_id + 1

@@ -83,9 +83,9 @@ class DetachedJobs:
         return statuses
 
     async def _outcome(self, job_id: str) -> JobOutcome:
-        payload = await self._lifecycle.payload(job_id)
-        if payload is None:
+        stored = await self._lifecycle.stored(job_id)
+        if stored is None:
             return failure(RelayError(ErrorKind.INTERNAL, f"job {job_id} has no stored request (expired)"))
-        job = decode_job(payload)
+        job = decode_job(stored.payload, stored.delivery)
         events = await self._lifecycle.read_log(job_id)
         return await render_outcome(job, EventReplay(job, events), self._reasoning_field)

@@ -44,6 +44,7 @@ class EndedJob:
             "state": self.state.value,
             "tenant": self.tenant,
             "job": self.job.model_dump(mode="json") if self.job is not None else None,
+            "delivery": self.job.delivery.model_dump(mode="json") if self.job is not None else None,
             "events": [event.model_dump(mode="json", exclude_none=True) for event in self.events],
         }
         return json.dumps(record, ensure_ascii=False)
@@ -51,7 +52,9 @@ class EndedJob:
     @classmethod
     def from_json(cls, job_id: str, raw: bytes | str) -> EndedJob:
         record = json.loads(raw)
-        job = decode_job(json.dumps(record["job"]).encode()) if record["job"] is not None else None
+        job = None
+        if record["job"] is not None:
+            job = decode_job(json.dumps(record["job"]).encode(), json.dumps(record["delivery"]).encode())
         events = [event_from_json(event) for event in record["events"]]
         return cls(job_id, JobState(record["state"]), record["tenant"], job, events)
 
@@ -81,8 +84,8 @@ class ResultStore:
         record = await lifecycle.record(job_id)
         if record is not None and not record.state.is_final:
             return None
-        payload = await lifecycle.payload(job_id) if record is not None else None
-        job = decode_job(payload) if payload is not None else None
+        stored = await lifecycle.stored(job_id) if record is not None else None
+        job = decode_job(stored.payload, stored.delivery) if stored is not None else None
         if record is None or job is None:
             ended = EndedJob(job_id, JobState.EXPIRED, None, None)
         else:

@@ -20,7 +20,8 @@ from api.jobs.client import JobClient
 from api.jobs.stream import ClientDisconnected
 from api.render.chat_stream import sse_response
 from api.render.transcript import Transcript
-from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, OpenApiResponses
+from api.routes.chat import ERROR_RESPONSES, OpenApiResponses
+from api.routes.start import CLIENT_CLOSED_REQUEST
 from api.services import services_of
 from api.wire.openai.audio import RESPONSE_FORMATS, TIMESTAMP_GRANULARITIES
 from shared.errors import ErrorKind, RelayError

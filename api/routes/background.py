@@ -39,8 +39,8 @@ async def _ended_or_job(request: Request, job_id: str) -> EndedJob | ChatJob:
     tenant = tenant_of(request)
     ended = await services.results.get(job_id)
     if ended is None:
-        payload = await services.lifecycle.payload(job_id)
-        job = decode_job(payload) if payload is not None else None
+        stored = await services.lifecycle.stored(job_id)
+        job = decode_job(stored.payload, stored.delivery) if stored is not None else None
         if not _is_background_chat(job) or not tenant.can_see(job.tenant if job else None):
             raise _not_found(job_id)
         ended = await services.results.keep(job_id)

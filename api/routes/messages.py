@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from api.errors import translation_error
 from api.jobs.build import chat_generate
 from api.render.anthropic import collect_message, message_events
-from api.render.chat_stream import sse_response
-from api.routes.chat import CLIENT_CLOSED_REQUEST, OpenApiResponses
-from api.routes.start import chat_job, check_request_limits, start_stream
+from api.routes.chat import OpenApiResponses
+from api.routes.start import answer, chat_job, check_request_limits
 from api.routes.tokenize import run_tokenize
 from api.services import services_of
 from api.tenancy import tenant_of
@@ -71,9 +70,4 @@ async def count_message_tokens(body: CountTokensRequest, request: Request) -> To
 )
 async def create_message(body: MessagesRequest, request: Request) -> Any:
     job, images = await chat_job(request, chat_request_of(body), image_sources(body))
-    stream = await start_stream(request, job, images)
-    if stream is None:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    if body.stream:
-        return sse_response(message_events(stream), services_of(request).settings)
-    return await collect_message(stream)
+    return await answer(request, job, collect_message, message_events, images)

@@ -21,8 +21,8 @@ from api.jobs.results import EndedJob
 from api.render.chat_stream import sse_response
 from api.render.responses import ResponseBuilder, collect_response, response_events
 from api.response_store import StoredResponse
-from api.routes.chat import CLIENT_CLOSED_REQUEST, ERROR_RESPONSES, with_errors
-from api.routes.start import chat_job, start_stream
+from api.routes.chat import ERROR_RESPONSES, streaming_post, with_errors
+from api.routes.start import CLIENT_CLOSED_REQUEST, chat_job, start_stream
 from api.services import services_of
 from api.tenancy import Tenant, tenant_of
 from api.wire.openai.chat_request import ChatCompletionRequest
@@ -57,11 +57,7 @@ def _finished(stored: StoredResponse, final: dict[str, Any]) -> StoredResponse:
     )
 
 
-@router.post(
-    "/v1/responses",
-    responses=with_errors(200, "text/event-stream"),
-    summary="Create a model response (OpenAI Responses API; SSE when stream=true)",
-)
+@streaming_post(router, "/v1/responses", "Create a model response (OpenAI Responses API; SSE when stream=true)")
 async def create_response(body: ResponsesRequest, request: Request) -> Any:
     services = services_of(request)
     tenant = tenant_of(request)

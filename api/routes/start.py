@@ -6,14 +6,16 @@ live worker once."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
 
 from api.jobs.build import SubmittableRequest, make_job
 from api.jobs.client import log_unknown_fields
 from api.jobs.images import NO_IMAGES, JobImages
 from api.jobs.stream import ClientDisconnected, JobStream
+from api.render.chat_stream import sse_response
 from api.services import services_of
 from api.settings import ApiSettings
 from api.tenancy import tenant_of
@@ -22,6 +24,9 @@ from api.wire.openai.images import ImageSource
 from shared.contract import AnyJob, ChatJob
 from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent
+
+CLIENT_CLOSED_REQUEST = 499
+Answer = TypeVar("Answer")
 
 
 def check_request_limits(body: ChatCompletionRequest, settings: ApiSettings) -> None:
@@ -76,3 +81,23 @@ async def start_stream(request: Request, job: AnyJob, images: JobImages = NO_IMA
     if streamed:
         stream.stop_disconnect_probe()  # sse-starlette owns the connection from here
     return stream
+
+
+async def answer(
+    request: Request,
+    job: AnyJob,
+    collect: Callable[[JobStream], Awaitable[Answer]],
+    sse: Callable[[JobStream], AsyncIterator[dict[str, str]]] | None = None,
+    images: JobImages = NO_IMAGES,
+) -> Answer | Response:
+    """Start the job and answer with its events: as server-sent events (``sse``) when the client
+    asked for a stream, else the response ``collect`` builds; a 499 once the client left."""
+    stream = await start_stream(request, job, images)
+    if stream is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if sse is not None and job.delivery.stream:
+        return sse_response(sse(stream), services_of(request).settings)
+    try:
+        return await collect(stream)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)

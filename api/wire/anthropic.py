@@ -15,26 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.wire.openai.chat_request import (
-    AssistantMessage,
-    ChatCompletionRequest,
-    ChatMessage,
-    FileContentPart,
-    FileReference,
-    FunctionCall,
-    FunctionDefinition,
-    ImageUrl,
-    ImageUrlContentPart,
-    NamedFunction,
-    NamedToolChoice,
-    SystemMessage,
-    TextContentPart,
-    ToolCall,
-    ToolDefinition,
-    ToolMessage,
-    UserContentPart,
-    UserMessage,
-)
+from api.wire.openai import chat_request as chat
 from api.wire.openai.images import ImageLocator, ImageSource
 from api.wire.openai.json_schema import JsonSchema
 
@@ -109,11 +90,11 @@ class ImageBlock(_Wire):
             return ImageLocator(url=source.url)
         return ImageLocator(url=f"data:{source.media_type};base64,{source.data}")
 
-    def chat_part(self) -> UserContentPart:
+    def chat_part(self) -> chat.UserContentPart:
         locator = self.locator
         if locator.file_id is not None:
-            return FileContentPart(type="file", file=FileReference(file_id=locator.file_id))
-        return ImageUrlContentPart(type="image_url", image_url=ImageUrl(url=locator.url or ""))
+            return chat.FileContentPart(type="file", file=chat.FileReference(file_id=locator.file_id))
+        return chat.ImageUrlContentPart(type="image_url", image_url=chat.ImageUrl(url=locator.url or ""))
 
 
 ContentBlock = Annotated[
@@ -169,14 +150,14 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
 
 
-def to_chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
+def to_chat_request(request: CountTokensRequest) -> chat.ChatCompletionRequest:
     """The same conversation as an OpenAI chat request (raises ValueError naming what cannot be
     expressed; pydantic then reports the chat request's own rules)."""
     fields: dict[str, Any] = {"model": request.model, "messages": _chat_messages(request)}
     if request.tools:
         fields["tools"] = [
-            ToolDefinition(
-                function=FunctionDefinition(name=t.name, description=t.description, parameters=t.input_schema)
+            chat.ToolDefinition(
+                function=chat.FunctionDefinition(name=t.name, description=t.description, parameters=t.input_schema)
             )
             for t in request.tools
         ]
@@ -193,7 +174,7 @@ def to_chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
             fields["user"] = request.metadata.user_id
         if request.stream:
             fields["stream_options"] = {"include_usage": True}
-    return ChatCompletionRequest.model_validate(fields)
+    return chat.ChatCompletionRequest.model_validate(fields)
 
 
 def _tool_choice(choice: ToolChoice, has_tools: bool) -> dict[str, Any]:
@@ -201,7 +182,7 @@ def _tool_choice(choice: ToolChoice, has_tools: bool) -> dict[str, Any]:
     if choice.type == "tool":
         if not choice.name:
             raise ValueError("tool_choice of type `tool` needs the tool's `name`")
-        fields["tool_choice"] = NamedToolChoice(function=NamedFunction(name=choice.name))
+        fields["tool_choice"] = chat.NamedToolChoice(function=chat.NamedFunction(name=choice.name))
     elif choice.type == "any":
         fields["tool_choice"] = "required"
     elif has_tools or choice.type == "none":
@@ -209,11 +190,11 @@ def _tool_choice(choice: ToolChoice, has_tools: bool) -> dict[str, Any]:
     return fields
 
 
-def _chat_messages(request: CountTokensRequest) -> list[ChatMessage]:
-    messages: list[ChatMessage] = []
+def _chat_messages(request: CountTokensRequest) -> list[chat.ChatMessage]:
+    messages: list[chat.ChatMessage] = []
     if request.system:
         system = request.system if isinstance(request.system, str) else "".join(b.text for b in request.system)
-        messages.append(SystemMessage(role="system", content=system))
+        messages.append(chat.SystemMessage(role="system", content=system))
     for message in request.messages:
         blocks: list[Any] = (
             [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
@@ -225,43 +206,45 @@ def _chat_messages(request: CountTokensRequest) -> list[ChatMessage]:
     return messages
 
 
-def _assistant_message(blocks: list[Any]) -> AssistantMessage:
+def _assistant_message(blocks: list[Any]) -> chat.AssistantMessage:
     text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
     thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
     calls = [
-        ToolCall(id=b.id, function=FunctionCall(name=b.name, arguments=json.dumps(b.input, ensure_ascii=False)))
+        chat.ToolCall(
+            id=b.id, function=chat.FunctionCall(name=b.name, arguments=json.dumps(b.input, ensure_ascii=False))
+        )
         for b in blocks
         if isinstance(b, ToolUseBlock)
     ]
     if any(isinstance(b, ToolResultBlock | ImageBlock) for b in blocks):
         raise ValueError("tool_result and image blocks belong in a user turn")
-    return AssistantMessage(
+    return chat.AssistantMessage(
         role="assistant", content=text if text or not calls else None, tool_calls=calls or None,
         reasoning_content=thinking or None,
     )  # fmt: skip
 
 
-def _user_messages(blocks: list[Any]) -> list[ChatMessage]:
+def _user_messages(blocks: list[Any]) -> list[chat.ChatMessage]:
     """Tool results become tool messages (in their order, before the turn's text), as chat
     templates expect them right after the assistant's calls."""
     if any(isinstance(b, ToolUseBlock | ThinkingBlock) for b in blocks):
         raise ValueError("tool_use and thinking blocks belong in an assistant turn")
-    messages: list[ChatMessage] = [
-        ToolMessage(role="tool", tool_call_id=b.tool_use_id, content=_tool_result_text(b))
+    messages: list[chat.ChatMessage] = [
+        chat.ToolMessage(role="tool", tool_call_id=b.tool_use_id, content=_tool_result_text(b))
         for b in blocks
         if isinstance(b, ToolResultBlock)
     ]
     if any(isinstance(b, ImageBlock) for b in blocks):
         parts = [_chat_part(b) for b in blocks if isinstance(b, TextBlock | ImageBlock)]
-        return [*messages, UserMessage(role="user", content=parts)]
+        return [*messages, chat.UserMessage(role="user", content=parts)]
     text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
     if text or not messages:
-        messages.append(UserMessage(role="user", content=text))
+        messages.append(chat.UserMessage(role="user", content=text))
     return messages
 
 
-def _chat_part(block: TextBlock | ImageBlock) -> UserContentPart:
-    return block.chat_part() if isinstance(block, ImageBlock) else TextContentPart(type="text", text=block.text)
+def _chat_part(block: TextBlock | ImageBlock) -> chat.UserContentPart:
+    return block.chat_part() if isinstance(block, ImageBlock) else chat.TextContentPart(type="text", text=block.text)
 
 
 def image_sources(request: CountTokensRequest) -> list[ImageSource]:

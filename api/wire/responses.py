@@ -13,28 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from api.wire.openai.chat_request import (
-    AssistantMessage,
-    ChatCompletionRequest,
-    ChatMessage,
-    FileContentPart,
-    FileReference,
-    FunctionCall,
-    FunctionDefinition,
-    ImageUrl,
-    ImageUrlContentPart,
-    JsonSchemaFormat,
-    NamedFunction,
-    NamedToolChoice,
-    ResponseFormat,
-    SystemMessage,
-    TextContentPart,
-    ToolCall,
-    ToolDefinition,
-    ToolMessage,
-    UserContentPart,
-    UserMessage,
-)
+from api.wire.openai import chat_request as chat
 from api.wire.openai.images import ImageLocator, ImageSource
 from api.wire.openai.json_schema import JsonSchema
 
@@ -68,10 +47,12 @@ class InputImage(_Wire):
     def locator(self) -> ImageLocator:
         return ImageLocator(url=self.image_url, file_id=self.file_id)
 
-    def chat_part(self) -> UserContentPart:
+    def chat_part(self) -> chat.UserContentPart:
         if self.file_id is not None:
-            return FileContentPart(type="file", file=FileReference(file_id=self.file_id))
-        return ImageUrlContentPart(type="image_url", image_url=ImageUrl(url=self.image_url or "", detail=self.detail))
+            return chat.FileContentPart(type="file", file=chat.FileReference(file_id=self.file_id))
+        return chat.ImageUrlContentPart(
+            type="image_url", image_url=chat.ImageUrl(url=self.image_url or "", detail=self.detail)
+        )
 
 
 InputContent = Annotated[InputText | InputImage, Field(discriminator="type")]
@@ -199,12 +180,12 @@ class ResponsesRequest(_Wire):
         return list(self.input)
 
 
-def to_chat_request(request: ResponsesRequest, history: list[InputItem]) -> ChatCompletionRequest:
+def to_chat_request(request: ResponsesRequest, history: list[InputItem]) -> chat.ChatCompletionRequest:
     """The conversation (``history``: a stored earlier turn's input and output items, for
     ``previous_response_id``; then this request's input) as an OpenAI chat request."""
-    messages: list[ChatMessage] = []
+    messages: list[chat.ChatMessage] = []
     if request.instructions:
-        messages.append(SystemMessage(role="system", content=request.instructions))
+        messages.append(chat.SystemMessage(role="system", content=request.instructions))
     messages += chat_messages([*history, *request.input_items()])
     fields: dict[str, Any] = {
         "model": request.model,
@@ -222,8 +203,8 @@ def to_chat_request(request: ResponsesRequest, history: list[InputItem]) -> Chat
         fields["user"] = request.user
     if request.tools:
         fields["tools"] = [
-            ToolDefinition(
-                function=FunctionDefinition(
+            chat.ToolDefinition(
+                function=chat.FunctionDefinition(
                     name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
                 )
             )
@@ -231,7 +212,7 @@ def to_chat_request(request: ResponsesRequest, history: list[InputItem]) -> Chat
         ]
         choice = request.tool_choice
         fields["tool_choice"] = (
-            NamedToolChoice(function=NamedFunction(name=choice.name))
+            chat.NamedToolChoice(function=chat.NamedFunction(name=choice.name))
             if isinstance(choice, NamedFunctionChoice)
             else choice
         )
@@ -241,55 +222,57 @@ def to_chat_request(request: ResponsesRequest, history: list[InputItem]) -> Chat
     if text_format is not None and text_format.type != "text":
         schema = None
         if text_format.type == "json_schema":
-            schema = JsonSchemaFormat(
+            schema = chat.JsonSchemaFormat(
                 name=text_format.name or "output", schema=text_format.schema_, strict=text_format.strict
             )
-        fields["response_format"] = ResponseFormat(type=text_format.type, json_schema=schema)
+        fields["response_format"] = chat.ResponseFormat(type=text_format.type, json_schema=schema)
     if request.reasoning is not None and request.reasoning.effort is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": request.reasoning.effort not in ("none", "minimal")}
-    return ChatCompletionRequest.model_validate(fields)
+    return chat.ChatCompletionRequest.model_validate(fields)
 
 
-def chat_messages(items: list[InputItem]) -> list[ChatMessage]:
+def chat_messages(items: list[InputItem]) -> list[chat.ChatMessage]:
     """Items in order; consecutive function calls (with the reasoning and text before them) form
     one assistant turn, as chat templates expect."""
-    messages: list[ChatMessage] = []
+    messages: list[chat.ChatMessage] = []
     pending_reasoning = ""
     for item in items:
         if isinstance(item, ReasoningItem):
             pending_reasoning += item.text
         elif isinstance(item, FunctionCallItem):
-            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+            call = chat.ToolCall(id=item.call_id, function=chat.FunctionCall(name=item.name, arguments=item.arguments))
             last = messages[-1] if messages else None
-            if isinstance(last, AssistantMessage) and not pending_reasoning:
+            if isinstance(last, chat.AssistantMessage) and not pending_reasoning:
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 messages.append(
-                    AssistantMessage(role="assistant", tool_calls=[call], reasoning_content=pending_reasoning or None)
+                    chat.AssistantMessage(
+                        role="assistant", tool_calls=[call], reasoning_content=pending_reasoning or None
+                    )
                 )
                 pending_reasoning = ""
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append(ToolMessage(role="tool", tool_call_id=item.call_id, content=item.text))
+            messages.append(chat.ToolMessage(role="tool", tool_call_id=item.call_id, content=item.text))
         elif item.role == "assistant":
             messages.append(
-                AssistantMessage(role="assistant", content=item.text, reasoning_content=pending_reasoning or None)
+                chat.AssistantMessage(role="assistant", content=item.text, reasoning_content=pending_reasoning or None)
             )
             pending_reasoning = ""
         elif item.images and item.role != "user":
             raise ValueError(f"input_image parts are taken in user messages, not in a {item.role} message")
         elif item.role in ("system", "developer"):
-            messages.append(SystemMessage(role=item.role, content=item.text))
+            messages.append(chat.SystemMessage(role=item.role, content=item.text))
         else:
-            messages.append(UserMessage(role="user", content=_user_content(item)))
+            messages.append(chat.UserMessage(role="user", content=_user_content(item)))
     return messages
 
 
-def _user_content(item: MessageItem) -> str | list[UserContentPart]:
+def _user_content(item: MessageItem) -> str | list[chat.UserContentPart]:
     """Text alone is one string, as before images; with images, the parts in order."""
     if isinstance(item.content, str) or not item.images:
         return item.text
     return [
-        part.chat_part() if isinstance(part, InputImage) else TextContentPart(type="text", text=part.text)
+        part.chat_part() if isinstance(part, InputImage) else chat.TextContentPart(type="text", text=part.text)
         for part in item.content
     ]
 

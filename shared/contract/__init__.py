@@ -23,8 +23,10 @@ Support: a release reads and writes every version back to ``OLDEST_VERSION``, th
 release before the one that added the newest; job records live a day (``RedisKeys``), so a fleet
 upgraded one release at a time never holds a job older than that.
 
-``delivery`` is how the answer reaches the client (stream, usage chunk, echo, encoding); API
-processes read it to render the job's events, workers ignore it.
+``delivery`` is how the answer reaches the client (stream, usage chunk, echo, encoding): the API's
+alone, so it is not in the payload but beside it in the job's record (``encode_delivery``; a
+payload written by an older API may still carry it, and it is read from there), and changing it
+never changes what workers read.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ __all__ = [
     "TranscriptionJob",
     "UnreadableJob",
     "decode_job",
+    "encode_delivery",
     "encode_job",
     "images_of",
     "payload_version",
@@ -136,10 +139,25 @@ def payload_version(data: object) -> int:
     return version
 
 
-def decode_job(payload: bytes) -> AnyJob:
-    """The job, upgraded to this version; :class:`NewerContract` for a version written by newer
-    code, :class:`UnreadableJob` for anything else that is not a job (an older version than
-    ``OLDEST_VERSION`` included)."""
+def encode_delivery(job: AnyJob) -> bytes:
+    """The job's delivery options, kept beside its payload."""
+    return job.delivery.model_dump_json().encode()
+
+
+def decode_job(payload: bytes, delivery: bytes | None = None) -> AnyJob:
+    """The job, upgraded to this version, with its ``delivery`` options where given;
+    :class:`NewerContract` for a version written by newer code, :class:`UnreadableJob` for
+    anything else that is not a job (an older version than ``OLDEST_VERSION`` included)."""
+    job = _decode(payload)
+    if delivery:
+        try:
+            return job.model_copy(update={"delivery": Delivery.model_validate_json(delivery)})
+        except ValidationError as exc:
+            raise UnreadableJob(f"delivery: {exc}") from None
+    return job
+
+
+def _decode(payload: bytes) -> AnyJob:
     try:
         data = json.loads(payload)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -227,7 +227,9 @@ class Transcribe(_Contract):
 
 
 class Delivery(_Contract):
-    """How the API renders the job's events for its client; workers never read it."""
+    """How the API renders the job's events for its client. Workers never read it, so it is not
+    part of what they read: the API keeps it in the job's record (``encode_delivery``), and a
+    change to it is the API's alone."""
 
     stream: bool = False
     include_usage: bool = False
@@ -243,7 +245,11 @@ class _Job(_Contract):
     request_id: str | None = Field(default=None, description="X-Request-Id, for following the job through logs.")
     created: int = Field(description="Unix seconds, the `created` of every chunk.")
     tenant: str | None = Field(default=None, description="Owner id (keyed hash) of the API key; None without keys.")
-    delivery: Delivery = Field(default_factory=Delivery)
+    delivery: Delivery = Field(
+        default_factory=Delivery,
+        exclude=True,
+        description="The API's alone: kept in the job's record beside the payload, never written into it.",
+    )
 
     @property
     def model(self) -> str:

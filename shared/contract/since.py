@@ -37,6 +37,8 @@ def written_for(model: BaseModel, version: int) -> dict[str, Any]:
 
 def _strip(model: BaseModel, data: dict[str, Any], version: int, path: str) -> None:
     for name, field in type(model).model_fields.items():
+        if field.exclude:
+            continue  # never written
         value, where = getattr(model, name), f"{path}{name}"
         since = since_of(field)
         if since is not None and since.version > version:

@@ -26,6 +26,7 @@ from shared.contract import (
     OLDEST_VERSION,
     AnyJob,
     ChatJob,
+    Delivery,
     Generate,
     ImagePart,
     ImageRef,
@@ -34,6 +35,7 @@ from shared.contract import (
     Tokenize,
     UnreadableJob,
     decode_job,
+    encode_delivery,
     encode_job,
     images_of,
 )
@@ -73,7 +75,7 @@ def test_this_version_round_trips(name: str) -> None:
     job = _job(case["kind"], case["wire"])
     payload = encode_job(job)
     assert json.loads(payload)["version"] == CONTRACT_VERSION
-    assert decode_job(payload) == job
+    assert decode_job(payload, encode_delivery(job)) == job
 
 
 def test_big_integers_in_tool_schemas_survive() -> None:
@@ -211,8 +213,8 @@ def test_any_sampling_round_trips_and_reads_back_from_the_previous_version(
     wire = {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": temperature,
             "top_k": top_k, "seed": seed, "stop": stop, "max_tokens": max_tokens}  # fmt: skip
     job = make_job(ChatCompletionRequest.model_validate(wire), "r", True).model_copy(update=_IDS)
-    assert decode_job(encode_job(job)) == job
-    assert decode_job(encode_job(job, CONTRACT_VERSION - 1)) == job
+    assert decode_job(encode_job(job), encode_delivery(job)) == job
+    assert decode_job(encode_job(job, CONTRACT_VERSION - 1), encode_delivery(job)) == job
 
 
 # -- writing for readers of older releases ------------------------------------------------------
@@ -224,15 +226,33 @@ def test_a_text_job_is_written_for_an_older_reader_and_read_back_as_itself(name:
     job = _job(V3_JOBS[name]["kind"], V3_JOBS[name]["wire"])
     payload = json.loads(encode_job(job, version))
     assert payload["version"] == version
-    assert decode_job(json.dumps(payload).encode()) == job
+    assert decode_job(json.dumps(payload).encode(), encode_delivery(job)) == job
 
 
 @pytest.mark.parametrize("name", sorted(V3_JOBS))
 def test_written_for_version_3_it_is_what_the_previous_release_wrote(name: str) -> None:
-    """Field for field, so a worker of that release reads it as its own."""
+    """Field for field, so a worker of that release reads it as its own, but for the API's
+    delivery options, which that release's API wrote into the payload and this one keeps beside
+    it (workers never read them: the field's default is what such a worker sees)."""
     case = V3_JOBS[name]
     job = decode_job(case["payload"].encode())
-    assert json.loads(encode_job(job, 3)) == json.loads(case["payload"])
+    written = json.loads(case["payload"])
+    assert job.delivery.model_dump(mode="json") == written.pop("delivery", Delivery().model_dump(mode="json"))
+    assert json.loads(encode_job(job, 3)) == written
+
+
+def test_the_delivery_options_are_kept_beside_the_payload_not_in_it() -> None:
+    """A change to how the API renders a job never changes what its worker reads."""
+    wire = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": True, "resumable": True}
+    job = make_job(ChatCompletionRequest.model_validate(wire), "r", True)
+    assert job.delivery == Delivery(stream=True, resumable=True)
+    for version in range(OLDEST_VERSION, CONTRACT_VERSION + 1):
+        assert "delivery" not in json.loads(encode_job(job, version))
+    assert decode_job(encode_job(job)).delivery == Delivery()  # what a worker reads
+    assert decode_job(encode_job(job), encode_delivery(job)) == job  # what an API process reads
+    # A payload of an API that kept them inside it is read with them.
+    older = {**json.loads(encode_job(job)), "delivery": {"stream": True, "resumable": True}}
+    assert decode_job(json.dumps(older).encode()) == job
 
 
 def test_a_field_newer_than_the_reader_is_written_only_at_its_default() -> None:
@@ -243,7 +263,7 @@ def test_a_field_newer_than_the_reader_is_written_only_at_its_default() -> None:
     assert "include_stop_str_in_output" not in json.loads(encode_job(plain, 3))["request"]["sampling"]
     included = make_job(ChatCompletionRequest.model_validate({**wire, "include_stop_str_in_output": True}), "r", True)
     assert _generate(included).sampling.include_stop_str_in_output
-    assert decode_job(encode_job(included)) == included
+    assert decode_job(encode_job(included), encode_delivery(included)) == included
     with pytest.raises(ValueError, match="include_stop_str_in_output"):
         encode_job(included, 3)
 
@@ -272,10 +292,10 @@ def _image_chat_job() -> ChatJob:
 def test_an_image_job_round_trips_and_older_versions_refuse_to_carry_it() -> None:
     job = _image_chat_job()
     assert images_of(job) == [_IMAGE]
-    assert decode_job(encode_job(job)) == job
+    assert decode_job(encode_job(job), encode_delivery(job)) == job
     with pytest.raises(ValueError, match="images"):
         encode_job(job, 2)
-    assert decode_job(encode_job(job, 3)) == job
+    assert decode_job(encode_job(job, 3), encode_delivery(job)) == job
 
 
 def test_a_version_2_reader_could_not_misread_an_image_job() -> None:
