@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 TEST_PROCESSES ?= 2
 CLUSTER_SUITES := tests/e2e/test_chat_openai_client.py tests/e2e/test_batches.py tests/e2e/test_responses_api.py
 
-.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
+.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -76,6 +76,10 @@ bench-load: $(BENCH_INSTALLED)
 ## Interactive TTFT while a large batch runs (~3 min): bench/results/batch_priority.json.
 bench-batch: $(BENCH_INSTALLED)
 	$(PY) -m bench.batch_priority_bench $(ARGS)
+
+## Placement by prefix (~10 min): agent-like sessions over one worker and two (each on a core of its own), the claim's placement off and on; bench/results/placement.json.
+bench-placement: $(BENCH_INSTALLED)
+	$(PY) -m bench.placement_bench $(ARGS)
 
 ## Scaling and failover (~3 min): one worker vs two, a new worker taking load, SIGKILL failover.
 bench-scaling: $(BENCH_INSTALLED)

@@ -64,6 +64,13 @@ class Metrics:
         self.request_failure = Counter(
             "relaylm:request_failure", "Requests ended by an error, by code", ["model", "code"], registry=r
         )
+        self.placements = Counter(
+            "relaylm:placements",
+            "Chat jobs by placement: matched (left to the worker that holds most of its conversation for the "
+            "placement window), none (any worker's)",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "relaylm:queue_depth", "Interactive jobs queued or running per model", ["model"], registry=r
         )
@@ -92,6 +99,18 @@ class Metrics:
         self.unreplicated_writes = Counter(
             "relaylm:redis_unreplicated_writes",
             "Jobs, batches and files accepted before a replica acknowledged them (a failover could lose them)",
+            registry=r,
+        )
+        self.backlog = Gauge(
+            "relaylm:queue_backlog",
+            "Jobs queued and not yet claimed per model, by lane (interactive, batch): what to scale workers on",
+            ["model", "lane"],
+            registry=r,
+        )
+        self.model_prefix_hit_rate = Gauge(
+            "relaylm:model_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache (0-1), the mean over a model's live workers",
+            ["model"],
             registry=r,
         )
         self.live_workers = Gauge("relaylm:live_workers", "Workers heartbeating per model", ["model"], registry=r)

@@ -17,6 +17,14 @@ class ApiSettings(CommonSettings):
     liveness_check_interval_s: float = Field(
         default=1.0, gt=0, description="While a job is silent this long, check that its worker still lives."
     )
+    placement_window_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="How long a chat job waits for the live worker whose prefix cache holds the most of its "
+        "conversation (it claimed that conversation's earlier turn), while that worker is ready with a free slot; "
+        "after that, or at once when it is gone, draining or full, any worker of the model takes it. 0: no "
+        "placement (the first worker to ask takes each job).",
+    )
     no_worker_grace_s: float = Field(
         default=3.0,
         ge=0,

@@ -25,6 +25,7 @@ records would have to be rewritten by hand to get that (see docs/design/request-
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -36,12 +37,15 @@ from shared.errors import ErrorKind
 from shared.events import AnyEvent, ErrorEvent, encode_event
 from shared.redis import NO_REPLICA_ACK, ReplicaAck
 from shared.redis_keys import (
+    HELD_KEYS_MAX,
+    HELD_KEYS_TTL_S,
     IMAGE_TTL_S,
     JOB_AUDIO_TTL_S,
     JOB_LOG_MAX_EVENTS,
     JOB_LOG_TTL_S,
     JOB_MAX_ATTEMPTS,
     JOB_RECORD_TTL_S,
+    PLACEMENT_BALANCE_SLACK,
     RedisKeys,
 )
 from shared.redis_replies import as_bytes, log_events, texts
@@ -60,11 +64,20 @@ class JobState(StrEnum):
         return self not in (JobState.QUEUED, JobState.RUNNING)
 
 
-# KEYS: job, queue, queue's running set, the tenant's open jobs. ARGV: limit (0: none), payload,
-# model, queue, now (ms), score, wake channel, record TTL (s), job id, tenant ('' for none), the
-# tenant's limit (0: none; its jobs are counted only when it has one), the API's delivery options
-# ('' for none). Returns 1, 0 (queue full), -1 (id taken) or -2 (the tenant has its limit of open
-# jobs).
+# KEYS: job, queue, queue's running set, the tenant's open jobs, the model's workers. ARGV: limit
+# (0: none), payload, model, queue, now (ms), score, wake channel, record TTL (s), job id, tenant
+# ('' for none), the tenant's limit (0: none; its jobs are counted only when it has one), the
+# API's delivery options ('' for none), the job's prefix keys (space-separated, shortest first),
+# the placement window (ms; 0: none), the worker records' key prefix, the balance slack (jobs).
+# Returns {1, preferred
+# worker or ''}, 0 (queue full), -1 (id taken) or -2 (the tenant has its limit of open jobs).
+#
+# Placement: among the model's live workers, those that hold the job's longest held key past its
+# first message (they claimed a job of that conversation) and are ready with a free slot and no
+# more than the balance slack of jobs above the least busy ready worker; the first is preferred
+# for the window. None when no live worker holds such a key, or every live worker holds the
+# longest one (any of them is as good). A conversation's first message alone places nothing:
+# a burst of the same one-message request spreads over the workers as before.
 _CREATE = """
 local limit = tonumber(ARGV[1])
 if limit > 0 and redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3]) >= limit then return 0 end
@@ -79,38 +92,111 @@ if tenant_limit > 0 then
     redis.call('EXPIRE', KEYS[4], ARGV[8])
     counted = KEYS[4]
 end
+local preferred = ''
+local window_ms = tonumber(ARGV[14])
+if ARGV[13] ~= '' and window_ms > 0 then
+    local wanted = {}
+    for key in string.gmatch(ARGV[13], '%S+') do wanted[#wanted + 1] = key end
+    local live, least = {}, nil
+    for _, worker_id in ipairs(redis.call('SMEMBERS', KEYS[5])) do
+        local raw = redis.call('GET', ARGV[15] .. worker_id)
+        if raw then
+            local info = cjson.decode(raw)
+            local jobs = info['num_jobs'] or 0
+            local ready = info['state'] == 'ready' and jobs < (info['max_num_seqs'] or 0)
+            if ready and (not least or jobs < least) then least = jobs end
+            local held = ARGV[15] .. worker_id .. ':' .. (info['instance'] or '') .. ':held'
+            live[#live + 1] = {held, worker_id, ready, jobs}
+        end
+    end
+    for _, worker in ipairs(live) do
+        worker[3] = worker[3] and worker[4] <= least + tonumber(ARGV[16])
+    end
+    if #live > 1 then
+        for i = #wanted, 2, -1 do
+            local holders, free = 0, nil
+            for _, worker in ipairs(live) do
+                if redis.call('ZSCORE', worker[1], wanted[i]) then
+                    holders = holders + 1
+                    if worker[3] and not free then free = worker[2] end
+                end
+            end
+            if holders > 0 then
+                if holders < #live and free then preferred = free end
+                break
+            end
+        end
+    end
+end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'request', ARGV[2], 'model', ARGV[3], 'queue', ARGV[4],
     'wake', ARGV[7], 'epoch', 0, 'attempts', 0, 'next_seq', 0, 'created_ms', ARGV[5], 'updated_ms', ARGV[5],
-    'tenant', ARGV[10], 'tenant_jobs', counted, 'delivery', ARGV[12])
+    'tenant', ARGV[10], 'tenant_jobs', counted, 'delivery', ARGV[12], 'placement', ARGV[13],
+    'preferred', preferred, 'preferred_until', tonumber(ARGV[5]) + window_ms)
 redis.call('EXPIRE', KEYS[1], ARGV[8])
 redis.call('ZADD', KEYS[2], ARGV[6], ARGV[9])
 redis.call('PUBLISH', ARGV[7], '')
-return 1
+return {1, preferred}
 """
 
 # KEYS: queue, queue's running set, all running jobs. ARGV: job key prefix, worker id, worker
-# instance, now (ms), the latest queue score (enqueue time, ms) it may take ('' for any). Takes
-# the queue's first job that is still queued (a cancelled one is dropped on the way); returns
-# {id, epoch, attempt, next_seq, payload}, {score} when the first job is too recent, or nil.
+# instance, now (ms), the latest queue score (enqueue time, ms) it may take ('' for any), the
+# worker records' key prefix, how many prefix keys a worker holds at most, their TTL (s). Takes
+# the first of the queue's first 64 jobs that is still queued and is this worker's to take (a
+# cancelled one is dropped on the way); returns {id, epoch, attempt, next_seq, payload}, {ms}
+# when a job becomes this worker's to take in that many ms (too recent, or placed on another
+# worker for a while longer), or nil.
+#
+# A job placed on another worker waits for it until its window ends, unless that worker is
+# gone, draining or full (its heartbeat record says). The taker holds the job's prefix keys
+# from then on (the most recent ones, for its current process).
 _CLAIM = """
 local latest = tonumber(ARGV[5])
-for _ = 1, 64 do
-    local head = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-    if #head == 0 then return false end
-    if latest and tonumber(head[2]) > latest then return {head[2]} end
-    local id = head[1]
-    redis.call('ZREM', KEYS[1], id)
+local now = tonumber(ARGV[4])
+local ready_in = nil
+local head = redis.call('ZRANGE', KEYS[1], 0, 63, 'WITHSCORES')
+for i = 1, #head, 2 do
+    local id, score = head[i], tonumber(head[i + 1])
+    if latest and score > latest then
+        local wait = score - latest
+        if not ready_in or wait < ready_in then ready_in = wait end
+        break
+    end
     local job = ARGV[1] .. id
-    if redis.call('HGET', job, 'state') == 'queued' then
-        local epoch = redis.call('HINCRBY', job, 'epoch', 1)
-        local attempt = redis.call('HINCRBY', job, 'attempts', 1)
-        redis.call('HSET', job, 'state', 'running', 'owner', ARGV[2], 'owner_instance', ARGV[3], 'updated_ms', ARGV[4])
-        redis.call('ZADD', KEYS[2], ARGV[4], id)
-        redis.call('ZADD', KEYS[3], ARGV[4], id)
-        local fields = redis.call('HMGET', job, 'next_seq', 'request')
-        return {id, epoch, attempt, fields[1], fields[2]}
+    local f = redis.call('HMGET', job, 'state', 'preferred', 'preferred_until', 'placement')
+    if f[1] ~= 'queued' then
+        redis.call('ZREM', KEYS[1], id)
+    else
+        local waits = false
+        if f[2] and f[2] ~= '' and f[2] ~= ARGV[2] and tonumber(f[3]) > now then
+            local raw = redis.call('GET', ARGV[6] .. f[2])
+            if raw then
+                local info = cjson.decode(raw)
+                waits = info['state'] == 'ready' and (info['num_jobs'] or 0) < (info['max_num_seqs'] or 0)
+            end
+        end
+        if waits then
+            local wait = tonumber(f[3]) - now
+            if not ready_in or wait < ready_in then ready_in = wait end
+        else
+            redis.call('ZREM', KEYS[1], id)
+            local epoch = redis.call('HINCRBY', job, 'epoch', 1)
+            local attempt = redis.call('HINCRBY', job, 'attempts', 1)
+            redis.call('HSET', job, 'state', 'running', 'owner', ARGV[2], 'owner_instance', ARGV[3],
+                'updated_ms', ARGV[4])
+            redis.call('ZADD', KEYS[2], ARGV[4], id)
+            redis.call('ZADD', KEYS[3], ARGV[4], id)
+            if f[4] and f[4] ~= '' then
+                local held = ARGV[6] .. ARGV[2] .. ':' .. ARGV[3] .. ':held'
+                for key in string.gmatch(f[4], '%S+') do redis.call('ZADD', held, now, key) end
+                redis.call('ZREMRANGEBYRANK', held, 0, -tonumber(ARGV[7]) - 1)
+                redis.call('EXPIRE', held, ARGV[8])
+            end
+            local fields = redis.call('HMGET', job, 'next_seq', 'request')
+            return {id, epoch, attempt, fields[1], fields[2]}
+        end
     end
 end
+if ready_in then return {ready_in} end
 return false
 """
 
@@ -150,7 +236,8 @@ _REQUEUE = """
 local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'queue', 'wake')
 if f[1] ~= 'running' or f[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updated_ms', ARGV[3])
-redis.call('HDEL', KEYS[1], 'owner', 'owner_instance')
+-- Its placement is over: whichever worker asks first continues it.
+redis.call('HDEL', KEYS[1], 'owner', 'owner_instance', 'preferred')
 redis.call('ZREM', KEYS[2], ARGV[2])
 redis.call('ZREM', f[3] .. ':running', ARGV[2])
 redis.call('ZADD', f[3], 0, ARGV[2])
@@ -306,45 +393,58 @@ class JobLifecycle:
         tenant: str | None = None,
         tenant_limit: int = 0,
         delivery: bytes = b"",
-    ) -> None:
+        prefix_keys: Sequence[str] = (),
+        placement_window_s: float = 0.0,
+    ) -> str | None:
         """A new queued job; raises JobQueueFull past ``limit`` queued and running jobs in its
         queue, TenantJobsFull past ``tenant_limit`` of the tenant's (0: no limit). ``payload`` is
         what its worker reads; ``delivery``, how the API renders its events, is kept beside it and
-        read by API processes alone."""
+        read by API processes alone. ``prefix_keys`` (``shared.placement``): the job waits up to
+        ``placement_window_s`` for the live worker that holds the longest of them; returns that
+        worker's id, None if the job is any worker's."""
         keys, now = self._keys, now_ms()
         replies = await self._replica_ack.write(
             self._redis,
             f"job {job_id}",
             lambda pipe: self._create(
-                keys=[keys.job(job_id), queue, keys.queue_running(queue), keys.tenant_jobs(tenant or "")],
+                keys=[
+                    keys.job(job_id), queue, keys.queue_running(queue), keys.tenant_jobs(tenant or ""),
+                    keys.model_workers(model),
+                ],
                 args=[
                     limit, payload, model, queue, now, now, keys.queue_wake_channel(model), JOB_RECORD_TTL_S, job_id,
-                    tenant or "", tenant_limit if tenant else 0, delivery,
+                    tenant or "", tenant_limit if tenant else 0, delivery, " ".join(prefix_keys),
+                    round(placement_window_s * 1000), keys.worker(""), PLACEMENT_BALANCE_SLACK,
                 ],
                 client=pipe,
             ),
         )  # fmt: skip
         created = replies[0]
+        if isinstance(created, list):
+            preferred = created[1]
+            return (preferred.decode() if isinstance(preferred, bytes) else str(preferred)) or None
         if created == 0:
             raise JobQueueFull(model)
         if created == -1:
             raise ValueError(f"job id {job_id} is taken")
         if created == -2:
             raise TenantJobsFull(tenant)
+        raise ValueError(f"unexpected reply {created!r} creating job {job_id}")
 
     async def claim(self, queue: str, worker_id: str, instance: str, min_wait_s: float = 0.0) -> Claim | NotYet | None:
-        """The queue's first job, now this worker's; with ``min_wait_s``, only one that has waited
-        that long (a job handed back waits at the front and is always old enough)."""
+        """The queue's first job that is this worker's to take, now this worker's; with
+        ``min_wait_s``, only one that has waited that long (a job handed back waits at the front
+        and is always old enough). A job placed on another worker is left to it for its window."""
         keys, now = self._keys, now_ms()
         latest = str(now - round(min_wait_s * 1000)) if min_wait_s > 0 else ""
         reply = await self._claim(
             keys=[queue, keys.queue_running(queue), keys.running_jobs()],
-            args=[keys.job_prefix, worker_id, instance, now, latest],
+            args=[keys.job_prefix, worker_id, instance, now, latest, keys.worker(""), HELD_KEYS_MAX, HELD_KEYS_TTL_S],
         )
         if not reply:
             return None
         if len(reply) == 1:
-            return NotYet(ready_in_s=max(0.0, (float(reply[0]) - float(latest)) / 1000))
+            return NotYet(ready_in_s=max(0.0, float(reply[0]) / 1000))
         job_id, epoch, attempt, next_seq, payload = reply
         return Claim(job_id.decode(), int(epoch), int(attempt), int(next_seq), bytes(payload))
 

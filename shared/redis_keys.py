@@ -24,6 +24,14 @@ JOB_AUDIO_TTL_S = 3600
 IMAGE_TTL_S = 3600
 # A job is started at most this many times (the first worker, then takeovers after a worker dies).
 JOB_MAX_ATTEMPTS = 3
+# A worker holds the prefix keys (``shared.placement``) of the jobs it claimed: this many at most,
+# the most recent, while its process lives (its held set expires this long after its last claim).
+HELD_KEYS_MAX = 4096
+HELD_KEYS_TTL_S = 24 * 3600
+# A job is placed on the worker that holds its conversation only while that worker runs at most
+# this many jobs more than the least busy ready worker of its model (a prefill saved is worth a
+# slightly larger batch, not a queue behind one worker).
+PLACEMENT_BALANCE_SLACK = 4
 # A worker that misses heartbeats for this long is considered dead.
 WORKER_HEARTBEAT_TTL_S = 5
 # A model no worker has served for this long is forgotten (404 instead of 503).

@@ -224,6 +224,14 @@ def test_jobs_start_through_one_client_and_end_in_one_result_store() -> None:
     assert {m for m in _modules_calling("untrack_background", "lifecycle")} == {"api.jobs.results"}
 
 
+def test_placement_is_decided_in_the_create_and_claim_scripts() -> None:
+    """No router: the API names a job's prefix keys, the lifecycle's scripts decide who takes it."""
+    assert {m for m in _modules_naming("prefix_keys") if not m.startswith("tests.")} == {
+        "shared.placement", "shared.job_lifecycle", "api.jobs.client"
+    }  # fmt: skip
+    assert {m for m in MODULES if "preferred_until" in MODULES[m].read_text()} == {"shared.job_lifecycle"}
+
+
 def test_job_state_changes_go_through_the_lifecycle() -> None:
     """Cancelling, the background set and the cancel channel: only ``JobLifecycle`` touches them."""
     for key in ("background_jobs", "cancel_channel"):

@@ -8,6 +8,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
@@ -34,11 +35,13 @@ from shared.contract import (
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobLifecycle, JobQueueFull, TenantJobsFull
 from shared.log_setup import log_transition
+from shared.placement import prefix_keys
 from shared.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
 class JobClient:
     """Starts every job the API runs, and follows it: ``stream`` (a client reads the events as
     they come), ``detach`` (a background job: nobody streams it, its result is kept once it
@@ -46,22 +49,16 @@ class JobClient:
     back to a job). A started job's model is checked once, here, for a live worker (a batch line
     is not: it waits for one within its batch's window)."""
 
-    def __init__(
-        self,
-        lifecycle: JobLifecycle,
-        keys: RedisKeys,
-        router: EventRouter,
-        directory: WorkerDirectory,
-        settings: ApiSettings,
-        metrics: Metrics,
-    ) -> None:
-        self.lifecycle = lifecycle
-        self.keys = keys
-        self.router = router
-        self.directory = directory
-        self.settings = settings
-        self.metrics = metrics
-        self._services = StreamServices(lifecycle, router, directory, settings)
+    lifecycle: JobLifecycle
+    keys: RedisKeys
+    router: EventRouter
+    directory: WorkerDirectory
+    settings: ApiSettings
+    metrics: Metrics
+
+    @property
+    def _services(self) -> StreamServices:
+        return StreamServices(self.lifecycle, self.router, self.directory, self.settings)
 
     async def stream(
         self,
@@ -129,7 +126,14 @@ class JobClient:
             if images:
                 await self.lifecycle.store_images(dict(images))
             delivery = encode_delivery(job)
-            await self.lifecycle.create(job.job_id, payload, model, queue, limit, job.tenant, key_limit, delivery)
+            # Interactive jobs only: a batch line runs on spare capacity wherever there is some.
+            keys = prefix_keys(job) if queue == self.keys.queue(model) else []
+            window_s = self.settings.placement_window_s if keys else 0.0
+            preferred = await self.lifecycle.create(
+                job.job_id, payload, model, queue, limit, job.tenant, key_limit, delivery, keys, window_s
+            )
+            if window_s > 0:
+                self.metrics.placements.labels(model, "matched" if preferred else "none").inc()
         except RedisError as exc:
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
         except TenantJobsFull:

@@ -100,6 +100,14 @@ class WorkerDirectory:
             queued, running = await pipe.execute()
         return int(queued) + int(running)
 
+    async def backlog(self, model: str) -> tuple[int, int]:
+        """The model's jobs queued and not yet claimed: interactive, then batch lines."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(self._keys.queue(model))
+            pipe.zcard(self._keys.batch_queue(model))
+            interactive, batch = await pipe.execute()
+        return int(interactive), int(batch)
+
     async def is_owner_alive(self, record: JobRecord) -> bool:
         return (await self.live_owners([record]))[record.job_id]
 

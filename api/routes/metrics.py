@@ -27,6 +27,8 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory) -> None:
         metrics.kv_usage,
         metrics.prefix_hit_rate,
         metrics.queue_depth,
+        metrics.backlog,
+        metrics.model_prefix_hit_rate,
         metrics.live_workers,
         metrics.images_encoded,
         metrics.image_cache_hits,
@@ -37,6 +39,12 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory) -> None:
         workers = await directory.workers(record.model)
         metrics.live_workers.labels(record.model).set(len(workers))
         metrics.queue_depth.labels(record.model).set(await directory.queue_depth(record.model))
+        interactive, batch = await directory.backlog(record.model)
+        metrics.backlog.labels(record.model, "interactive").set(interactive)
+        metrics.backlog.labels(record.model, "batch").set(batch)
+        if workers:
+            mean_hit_rate = sum(worker.prefix_cache_hit_rate for worker in workers) / len(workers)
+            metrics.model_prefix_hit_rate.labels(record.model).set(mean_hit_rate)
         for worker in workers:
             labels = (record.model, worker.worker_id)
             metrics.running.labels(*labels).set(worker.num_running)

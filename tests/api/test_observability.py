@@ -71,6 +71,15 @@ def test_metrics_count_known_requests(tiny_stack: Stack) -> None:
         == 2
     )
     assert _value(after, "relaylm:live_workers", **model) == 1
+    placed_nowhere = {"model": TINY_MODEL, "outcome": "none"}  # a one-message conversation places nothing
+    assert (
+        _value(after, "relaylm:placements_total", **placed_nowhere)
+        - _value(before, "relaylm:placements_total", **placed_nowhere)
+        == 2
+    )
+    for lane in ("interactive", "batch"):
+        assert ("relaylm:queue_backlog", frozenset({**model, "lane": lane}.items())) in after
+    assert ("relaylm:model_prefix_cache_hit_rate", frozenset(model.items())) in after
     worker = {"model": TINY_MODEL, "worker": f"{tiny_stack.key_prefix}-worker0"}
     assert ("relaylm:num_requests_running", frozenset(worker.items())) in after
 

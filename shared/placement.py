@@ -1,0 +1,49 @@
+"""Prefix keys: what a chat job's prompt starts with, named without a tokenizer, so the claim can
+hand a conversation's next turn to the worker that holds its earlier turns in its prefix cache.
+
+A key names the conversation up to the end of one message: a chain hash over the model, the
+tools and the chat template's arguments (what comes before the first message in the rendered
+prompt), then each message in order. Two jobs share a key exactly when their conversations are
+the same up to that message, so a follow-up turn (the earlier messages, the answer, a new
+message) holds every key of the turn before it. Keys are computed the same way by every API
+process; a worker holds the keys of the jobs it claimed (``shared.job_lifecycle``), and the
+claim prefers, for a bounded window, the live worker that holds a job's longest key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from shared.contract import AnyJob, ChatJob
+
+MAX_KEYS = 32
+"""A job's keys at most: the first message's, then those of its last messages (the longest
+prefixes are the ones worth finding, the first is the one most often shared)."""
+
+
+def _digest(previous: str, part: str) -> str:
+    return hashlib.sha256(f"{previous}\n{part}".encode()).hexdigest()[:20]
+
+
+def prefix_keys(job: AnyJob) -> list[str]:
+    """The job's keys, shortest prefix first; none for a job without chat messages."""
+    if not isinstance(job, ChatJob) or not job.request.messages:
+        return []
+    generate = job.request
+    messages = generate.messages or []
+    head = json.dumps(
+        {
+            "model": generate.model,
+            "tools": [tool.model_dump(mode="json") for tool in generate.tools],
+            "template": generate.chat_template_kwargs,
+        },
+        sort_keys=True,
+        ensure_ascii=False,
+    )
+    chain = _digest("", head)
+    keys = []
+    for message in messages:
+        chain = _digest(chain, message.model_dump_json())
+        keys.append(chain)
+    return keys if len(keys) <= MAX_KEYS else [keys[0], *keys[-(MAX_KEYS - 1) :]]
