@@ -142,6 +142,30 @@ def test_abort_with_a_kind_sends_an_error_event(tiny: tuple[torch.nn.Module, obj
     assert isinstance(last, ErrorEvent) and last.kind is ErrorKind.WORKER_SHUTTING_DOWN
 
 
+def test_a_request_added_again_replaces_its_earlier_attempt_and_others_go_on(
+    tiny: tuple[torch.nn.Module, object],
+) -> None:
+    """A job claimed twice by one worker (a demoted primary answered a claim during a failover):
+    the earlier attempt stops, the later one finishes as if alone, and no other request fails."""
+    engine, collector = _engine(tiny)
+    _, tokenizer = tiny
+    prompt = _prompt(tokenizer, PROMPTS[1])
+    other = EngineRequest("other", [prompt], _greedy(12))
+    first, again = EngineRequest("job", [prompt], _greedy(6)), EngineRequest("job", [prompt], _greedy(9))
+    engine.submit(other)
+    engine.submit(first)
+    engine.run_step()
+    engine.run_step()
+    engine.submit(again)
+    _drain(engine, collector, {"other", "job"})
+    for _ in range(20):
+        engine.run_step()  # the earlier attempt is gone: nothing of it finishes later
+    assert again.sequences[0].output_token_ids == _solo_tokens(tiny, prompt, 9)
+    assert other.sequences[0].output_token_ids == _solo_tokens(tiny, prompt, 12)
+    assert not any(isinstance(e, ErrorEvent) for events in collector.events.values() for e in events)
+    assert engine.num_running == 0
+
+
 def test_an_abort_that_arrives_before_its_request_still_applies(tiny: tuple[torch.nn.Module, object]) -> None:
     engine, collector = _engine(tiny)
     engine.abort("early")

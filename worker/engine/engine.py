@@ -227,7 +227,8 @@ class LLMEngine:
                 request.num_finished += 1
                 if request.is_finished:
                     self._emit(request.request_id, self._end_event(request), is_done=True)
-                    del self._requests[request.request_id]
+                    if self._requests.get(request.request_id) is request:
+                        del self._requests[request.request_id]
 
     @staticmethod
     def _end_event(request: EngineRequest) -> EndEvent:
@@ -251,6 +252,13 @@ class LLMEngine:
                 self._abort_request(command)
 
     def _add_request(self, request: EngineRequest) -> None:
+        earlier = self._requests.get(request.request_id)
+        if earlier is not None:
+            # The same job claimed again while its earlier attempt runs here (during a Redis
+            # failover a demoted primary can still answer a claim): the new attempt is the one
+            # its runner follows, so the earlier one stops, silently, and nothing else is touched.
+            logger.warning("request %s arrived again while it runs; its earlier attempt stops", request.request_id)
+            self._release(earlier)
         self._requests[request.request_id] = request
         early_abort = self._early_aborts.pop(request.request_id, None)
         if early_abort is not None:
@@ -305,13 +313,16 @@ class LLMEngine:
             while len(self._early_aborts) > _MAX_EARLY_ABORTS:
                 self._early_aborts.popitem(last=False)
             return
-        for seq in request.sequences:
-            if not seq.sched.is_finished:
-                self.scheduler.release(seq)
+        self._release(request)
         error = None
         if command.kind is not None:
             error = ErrorEvent(seq=request.take_event_seq(), kind=command.kind, message=command.message)
         self._emit(request.request_id, error, is_done=True)
+
+    def _release(self, request: EngineRequest) -> None:
+        for seq in request.sequences:
+            if not seq.sched.is_finished:
+                self.scheduler.release(seq)
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self._requests):
