@@ -8,7 +8,10 @@ answer, then a new user message); the sessions' turns interleave irregularly (a 
 that keeps each session's turns in order), two requests in flight at a time. Reported per
 setting: follow-up TTFT p50/p90, the share of follow-up prompt tokens served from the prefix
 cache, the share of follow-ups served at least 90 % from cache, and the throughput on distinct
-one-message prompts (which share no prefix) at 8 streams, which placement must not lower.
+one-message prompts (which share no prefix) at 8 streams, which placement must not lower: the
+two-worker sides share the same two workers behind two API processes (one with placement off,
+one with it on) and alternate throughput rounds (off, on; on, off; ...), so the machine's drift
+and any order effect fall on both.
 
     python -m bench.placement_bench          # what `make bench-placement` runs (~10 min on 2 cores)
 
@@ -24,6 +27,7 @@ import os
 import platform
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -35,11 +39,10 @@ import httpx
 from bench.stats import percentile_ms
 from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.support.stack import Stack
-from worker.models.loader import locate_default_gguf
 from worker.settings import DEFAULT_MODEL
 
 RESULTS = Path(__file__).parent / "results"
-SYSTEM_WORDS = 700  # about 1,500 tokens of system prompt per session
+SYSTEM_WORDS = 2300  # about 2,500 tokens of system prompt per session
 OUTPUT_TOKENS = 16
 IN_FLIGHT = 2
 
@@ -85,10 +88,12 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict[str, st
     return {"ttft_s": ttft_s, "prompt_tokens": usage["prompt_tokens"], "cached_tokens": cached, "text": text}
 
 
-async def _sessions(base_url: str, sessions: int, turns: int, seed: int) -> list[dict[str, Any]]:
-    """Every turn's measures, ``follow_up`` set on all but a session's first."""
+async def _sessions(base_url: str, numbers: range, turns: int, seed: int) -> list[dict[str, Any]]:
+    """Every turn's measures, ``follow_up`` set on all but a session's first; ``numbers``: the
+    sessions' (each its own system prompt)."""
     url = f"{base_url}/v1/chat/completions"
-    conversations = [[{"role": "system", "content": _system_prompt(s)}] for s in range(sessions)]
+    sessions = len(numbers)
+    conversations = [[{"role": "system", "content": _system_prompt(n)}] for n in numbers]
     busy = [asyncio.Lock() for _ in range(sessions)]  # a session's next turn waits for its answer
     sent = [0] * sessions
     slots = asyncio.Semaphore(IN_FLIGHT)
@@ -112,12 +117,15 @@ async def _sessions(base_url: str, sessions: int, turns: int, seed: int) -> list
     return results
 
 
+_DISTINCT = iter(range(10**9))
+
+
 async def _distinct_throughput(base_url: str, streams: int, duration_s: float) -> float:
     """Generated tokens per second over ``streams`` clients sending prompts that share nothing."""
     url = f"{base_url}/v1/chat/completions"
     deadline = time.monotonic() + duration_s
     tokens = 0
-    counter = iter(range(10**9))
+    counter = _DISTINCT
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         nonlocal tokens
@@ -136,7 +144,7 @@ async def _distinct_throughput(base_url: str, streams: int, duration_s: float) -
     return tokens / (time.monotonic() - started)
 
 
-def _summary(turns: list[dict[str, Any]], throughput: float) -> dict[str, Any]:
+def _summary(turns: list[dict[str, Any]], throughput: float | None) -> dict[str, Any]:
     follow_ups = [t for t in turns if t["follow_up"]]
     ttfts = [t["ttft_s"] for t in follow_ups if t["ttft_s"] is not None]
     prompt = sum(t["prompt_tokens"] for t in follow_ups)
@@ -153,22 +161,58 @@ def _summary(turns: list[dict[str, Any]], throughput: float) -> dict[str, Any]:
     }
 
 
-def _run(redis_url: str, workers: int, window_s: float, args: argparse.Namespace) -> dict[str, Any]:
-    stack = Stack(redis_url=redis_url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-placement-")))
+def _start_workers(stack: Stack, workers: int) -> bool:
+    """``workers`` workers of the default model, each pinned to a core of its own when the host
+    has them; whether they are pinned."""
     can_pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= workers
+    for core in range(workers):
+        pin = ("taskset", "-c", str(core)) if can_pin else ()
+        stack.start_worker(
+            DEFAULT_MODEL, DEFAULT_MODEL, command_prefix=pin, num_threads=1, max_model_len=4096, log_level="WARNING"
+        )
+    return can_pin
+
+
+def _one_worker(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    stack = Stack(redis_url=redis_url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-placement-")))
     try:
-        stack.start_api(placement_window_s=window_s, log_level="WARNING")
-        gguf = locate_default_gguf()
-        for core in range(workers):
-            pin = ("taskset", "-c", str(core)) if can_pin else ()
-            stack.start_worker(
-                gguf, DEFAULT_MODEL, command_prefix=pin, num_threads=1, max_model_len=4096, log_level="WARNING"
-            )
-        turns = asyncio.run(_sessions(stack.base_url, args.sessions, args.turns, args.seed))
-        throughput = asyncio.run(_distinct_throughput(stack.base_url, args.streams, args.throughput_s))
+        stack.start_api(placement_window_s=0, log_level="WARNING")
+        pinned = _start_workers(stack, 1)
+        turns = asyncio.run(_sessions(stack.base_url, range(args.sessions), args.turns, args.seed))
     finally:
         stack.stop()
-    return {"workers": workers, "placement_window_s": window_s, "pinned": can_pin, **_summary(turns, throughput)}
+    return {"workers": 1, "placement": "off", "pinned": pinned, **_summary(turns, None)}
+
+
+def _two_workers(redis_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The same two workers behind two API processes, one with placement off and one with it on:
+    sessions through each (their own system prompts, so neither finds the other's in a cache),
+    then the distinct-prompt throughput in alternated rounds."""
+    off = Stack(redis_url=redis_url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-placement-off-")))
+    on = Stack(
+        redis_url=redis_url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-placement-on-")), key_prefix=off.key_prefix
+    )
+    try:
+        off.start_api(placement_window_s=0, log_level="WARNING")
+        on.start_api(placement_window_s=args.window_s, log_level="WARNING")
+        pinned = _start_workers(off, 2)
+        sessions = args.sessions
+        turns_off = asyncio.run(_sessions(off.base_url, range(sessions), args.turns, args.seed))
+        turns_on = asyncio.run(_sessions(on.base_url, range(sessions, 2 * sessions), args.turns, args.seed))
+        rounds: dict[str, list[float]] = {"off": [], "on": []}
+        for index in range(args.rounds):
+            sides = (("off", off), ("on", on))
+            for name, stack in sides if index % 2 == 0 else sides[::-1]:  # off, on; then on, off; ...
+                tok_s = asyncio.run(_distinct_throughput(stack.base_url, args.streams, args.round_s))
+                rounds[name].append(tok_s)
+    finally:
+        on.stop()
+        off.stop()
+    return [
+        {"workers": 2, "placement": name, "pinned": pinned, "distinct_rounds_tok_s": rounds[name],
+         **_summary(turns, statistics.median(rounds[name]))}
+        for name, turns in (("off", turns_off), ("on", turns_on))
+    ]  # fmt: skip
 
 
 def _fmt(value: float | None, unit: str = "") -> str:
@@ -178,10 +222,11 @@ def _fmt(value: float | None, unit: str = "") -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=5, help="turns per session (the first is not a follow-up)")
+    parser.add_argument("--turns", type=int, default=6, help="turns per session (the first is not a follow-up)")
     parser.add_argument("--seed", type=int, default=7, help="the interleaving of the sessions' turns")
     parser.add_argument("--streams", type=int, default=8, help="clients of the distinct-prompt throughput")
-    parser.add_argument("--throughput-s", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=4, help="throughput rounds per side, in the order ABBA")
+    parser.add_argument("--round-s", type=float, default=10.0)
     parser.add_argument("--window-s", type=float, default=2.0, help="the placement window when on")
     parser.add_argument("--out", type=Path, default=RESULTS / "placement.json")
     args = parser.parse_args()
@@ -189,28 +234,29 @@ def main() -> None:
     binary = find_redis_server()
     own = start_redis(binary) if binary else None
     redis_url = own.url if own else os.environ.get("RELAYLM_REDIS_URL", "redis://127.0.0.1:6379/0")
-    runs = []
     try:
-        for workers, window_s in ((1, 0.0), (2, 0.0), (2, args.window_s)):
-            print(f"{workers} worker(s), placement window {window_s} s ...", flush=True)
-            runs.append(_run(redis_url, workers, window_s, args))
+        print("one worker ...", flush=True)
+        runs = [_one_worker(redis_url, args)]
+        print("two workers, placement off and on ...", flush=True)
+        runs += _two_workers(redis_url, args)
     finally:
         if own:
             own.stop()
     one_p90 = runs[0]["follow_up_ttft_p90_ms"]
     print()
     header = ["workers", "placement", "follow-up TTFT p50", "p90", "p90 / one worker's", "cached share",
-              "≥90 % cached", "distinct tok/s"]  # fmt: skip
+              "≥90 % cached", "distinct tok/s (median of rounds)"]  # fmt: skip
     print("| " + " | ".join(header) + " |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|" + "---|" * len(header))
     for run in runs:
         p90 = run["follow_up_ttft_p90_ms"]
         ratio = f"{p90 / one_p90:.2f}x" if p90 and one_p90 else "-"
+        tok_s = run["distinct_tok_s"]
         print(
-            f"| {run['workers']} | {'on' if run['placement_window_s'] else 'off'} "
+            f"| {run['workers']} | {run['placement']} "
             f"| {_fmt(run['follow_up_ttft_p50_ms'], ' ms')} | {_fmt(p90, ' ms')} | {ratio} "
             f"| {run['follow_up_cached_share']:.1%} | {run['follow_ups_served_90pct_from_cache']:.1%} "
-            f"| {run['distinct_tok_s']:.1f} |"
+            f"| {'-' if tok_s is None else f'{tok_s:.1f}'} |"
         )
     off, on = runs[1], runs[2]
     report = {

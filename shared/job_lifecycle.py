@@ -94,9 +94,11 @@ if tenant_limit > 0 then
 end
 local preferred = ''
 local window_ms = tonumber(ARGV[14])
-if ARGV[13] ~= '' and window_ms > 0 then
-    local wanted = {}
+local wanted = {}
+if window_ms > 0 then
     for key in string.gmatch(ARGV[13], '%S+') do wanted[#wanted + 1] = key end
+end
+if #wanted > 1 then
     local live, least = {}, nil
     for _, worker_id in ipairs(redis.call('SMEMBERS', KEYS[5])) do
         local raw = redis.call('GET', ARGV[15] .. worker_id)

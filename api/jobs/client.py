@@ -128,11 +128,13 @@ class JobClient:
             delivery = encode_delivery(job)
             # Interactive jobs only: a batch line runs on spare capacity wherever there is some.
             keys = prefix_keys(job) if queue == self.keys.queue(model) else []
-            window_s = self.settings.placement_window_s if keys else 0.0
+            # A conversation's first message alone places nothing: the create script looks for a
+            # holder only from the second message on.
+            window_s = self.settings.placement_window_s if len(keys) > 1 else 0.0
             preferred = await self.lifecycle.create(
                 job.job_id, payload, model, queue, limit, job.tenant, key_limit, delivery, keys, window_s
             )
-            if window_s > 0:
+            if keys and self.settings.placement_window_s > 0:
                 self.metrics.placements.labels(model, "matched" if preferred else "none").inc()
         except RedisError as exc:
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
