@@ -77,7 +77,7 @@ bench-load: $(BENCH_INSTALLED)
 bench-batch: $(BENCH_INSTALLED)
 	$(PY) -m bench.batch_priority_bench $(ARGS)
 
-## Placement by prefix (~10 min): agent-like sessions over one worker and two (each on a core of its own), the claim's placement off and on; bench/results/placement.json.
+## Placement by prefix (~5 min): agent-like conversations over one worker and two (each on a core of its own), the claim's placement off and on; bench/results/placement.json.
 bench-placement: $(BENCH_INSTALLED)
 	$(PY) -m bench.placement_bench $(ARGS)
 
