@@ -144,7 +144,8 @@ return {1, preferred}
 # instance, now (ms), the latest queue score (enqueue time, ms) it may take ('' for any), the
 # worker records' key prefix, how many prefix keys a worker holds at most, their TTL (s). Takes
 # the first of the queue's first 64 jobs that is still queued and is this worker's to take (a
-# cancelled one is dropped on the way); returns {id, epoch, attempt, next_seq, payload}, {ms}
+# cancelled one is dropped on the way); returns {id, epoch, attempt, next_seq, payload, prefix
+# keys}, {ms}
 # when a job becomes this worker's to take in that many ms (too recent, or placed on another
 # worker for a while longer), or nil.
 #
@@ -194,12 +195,22 @@ for i = 1, #head, 2 do
                 redis.call('EXPIRE', held, ARGV[8])
             end
             local fields = redis.call('HMGET', job, 'next_seq', 'request')
-            return {id, epoch, attempt, fields[1], fields[2]}
+            return {id, epoch, attempt, fields[1], fields[2], f[4] or ''}
         end
     end
 end
 if ready_in then return {ready_in} end
 return false
+"""
+
+# KEYS: a worker's held prefix keys. ARGV: key/claim time (ms) pairs. Each key leaves the set
+# unless a claim later than that time recorded it again.
+_RELEASE_KEYS = """
+for i = 1, #ARGV, 2 do
+    local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+    if score and tonumber(score) <= tonumber(ARGV[i + 1]) then redis.call('ZREM', KEYS[1], ARGV[i]) end
+end
+return 1
 """
 
 # KEYS: job, log, channel, all running jobs. ARGV: epoch, final state ('' if not final), log TTL
@@ -343,6 +354,8 @@ class Claim:
     attempt: int
     next_seq: int
     payload: bytes
+    prefix_keys: tuple[str, ...] = ()  # its placement keys, now in the claimer's held set
+    claimed_ms: int = 0  # their score there
 
 
 @dataclass(frozen=True)
@@ -384,6 +397,7 @@ class JobLifecycle:
         self._claim = redis.register_script(_script(_CLAIM, keys))
         self._requeue = redis.register_script(_script(_REQUEUE, keys))
         self._end = redis.register_script(_script(_END, keys))
+        self._release_keys = redis.register_script(_RELEASE_KEYS)
 
     async def create(
         self,
@@ -447,8 +461,16 @@ class JobLifecycle:
             return None
         if len(reply) == 1:
             return NotYet(ready_in_s=max(0.0, float(reply[0]) / 1000))
-        job_id, epoch, attempt, next_seq, payload = reply
-        return Claim(job_id.decode(), int(epoch), int(attempt), int(next_seq), bytes(payload))
+        job_id, epoch, attempt, next_seq, payload, placement = reply
+        prefix_keys = tuple(as_bytes(placement).decode().split())
+        return Claim(job_id.decode(), int(epoch), int(attempt), int(next_seq), bytes(payload), prefix_keys, now)
+
+    async def release_prefix_keys(self, worker_id: str, instance: str, released: Sequence[tuple[str, int]]) -> None:
+        """The worker process holds these prefix keys no more (its prefix cache let their prompts
+        go), each unless a claim later than its time (ms) recorded it again."""
+        args = [part for key, claimed_ms in released for part in (key, claimed_ms)]
+        if args:
+            await self._release_keys(keys=[self._keys.worker_held_keys(worker_id, instance)], args=args)
 
     async def record(self, job_id: str) -> JobRecord | None:
         return (await self.records([job_id]))[job_id]

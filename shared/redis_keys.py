@@ -24,8 +24,9 @@ JOB_AUDIO_TTL_S = 3600
 IMAGE_TTL_S = 3600
 # A job is started at most this many times (the first worker, then takeovers after a worker dies).
 JOB_MAX_ATTEMPTS = 3
-# A worker holds the prefix keys (``shared.placement``) of the jobs it claimed: this many at most,
-# the most recent, while its process lives (its held set expires this long after its last claim).
+# A worker holds the prefix keys (``shared.placement``) of the jobs it claimed, while it runs them
+# and then while its prefix cache holds their prompts: this many at most, the most recent, while
+# its process lives (its held set expires this long after its last claim).
 HELD_KEYS_MAX = 4096
 HELD_KEYS_TTL_S = 24 * 3600
 # A job is placed on the worker that holds its conversation only while that worker runs at most
@@ -202,6 +203,10 @@ class RedisKeys:
     def worker(self, worker_id: str) -> str:
         """One worker's heartbeat record (JSON), expiring after WORKER_HEARTBEAT_TTL_S."""
         return f"{self.prefix}:worker:{worker_id}"
+
+    def worker_held_keys(self, worker_id: str, instance: str) -> str:
+        """Sorted set: the prefix keys one worker process holds, scored by their latest claim (ms)."""
+        return f"{self.worker(worker_id)}:{instance}:held"
 
     def model_workers(self, model: str) -> str:
         """Set of worker ids that announced this model (dead ones are pruned by readers)."""

@@ -1,16 +1,19 @@
 """Placement by prefix with real processes: a conversation's next turn is claimed by the worker
-that ran its last one (and is served from that worker's prefix cache), and a preferred worker
-that died delays nothing past the placement window, with the same text from the other worker."""
+that ran its last one (and is served from that worker's prefix cache), a preferred worker that
+died delays nothing past the placement window, with the same text from the other worker, and a
+worker whose cache did not keep a conversation does not say it holds it."""
 
 from __future__ import annotations
 
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from tests.e2e.conftest import TWO_WORKER_MODEL
 from tests.support.stack import Stack
@@ -39,6 +42,17 @@ def _turn_one(stack: Stack, session: int, on: int) -> tuple[list[dict[str, Any]]
     owner = stack.job_owner(answer["id"])
     assert owner == f"{stack.key_prefix}-worker{on}"
     return [*messages, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}], owner
+
+
+def _held(stack: Stack, worker: int) -> set[str]:
+    worker_id = f"{stack.key_prefix}-worker{worker}"
+    info = stack.worker_info(worker_id)
+    assert info is not None
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        return {key.decode() for key in client.zrange(stack.keys.worker_held_keys(worker_id, info.instance), 0, -1)}
+    finally:
+        client.close()
 
 
 def _matched(stack: Stack) -> float:
@@ -73,3 +87,28 @@ def test_a_dead_preferred_worker_delays_its_conversation_by_the_window_at_most(t
     assert time.monotonic() - started < WINDOW_S + 5.0
     assert two_workers.job_owner(answer["id"]) == f"{two_workers.key_prefix}-worker1"
     assert answer["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+
+
+def test_a_worker_holds_a_conversation_only_while_its_prefix_cache_does(
+    two_workers: Stack, tiny_model_path: Path
+) -> None:
+    """Worker 2 caches no prefixes (``--prefix-cache-memory-gib 0``): once its turn ends it holds
+    none of the conversation's keys, and the next turn is not placed on it."""
+    stack = two_workers
+    stack.start_worker(tiny_model_path, TWO_WORKER_MODEL, max_model_len=1024, prefix_cache_memory_gib=0)
+    messages = [
+        {"role": "system", "content": "You are the uncached agent. " + "Follow the rules. " * 40},
+        {"role": "user", "content": "Start."},
+    ]
+    with stack.workers[0].paused(), stack.workers[1].paused():
+        answer = _chat(stack, messages)
+    assert stack.job_owner(answer["id"]) == f"{stack.key_prefix}-worker2"
+    deadline = time.monotonic() + 10
+    while _held(stack, 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _held(stack, 2) == set()
+    assert _held(stack, 0) == set() and _held(stack, 1) == set()
+    follow_up = [*messages, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}]
+    before = _matched(stack)
+    _chat(stack, [*follow_up, {"role": "user", "content": "Go on."}])
+    assert _matched(stack) == before

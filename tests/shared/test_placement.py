@@ -206,3 +206,26 @@ async def test_a_job_handed_back_is_any_workers(placed: Env) -> None:
     assert await env.lifecycle.requeue("turn2", claim.epoch)  # a worker that could not run it hands it back
     taken = await env.claim("b")
     assert isinstance(taken, Claim) and taken.job_id == "turn2"
+
+
+async def test_a_released_key_places_nothing_unless_a_later_claim_named_it_again(env: Env) -> None:
+    await env.served("a", "turn1", ["s0", "s1"])
+    await env.served("a", "other1", ["o0", "o1"])
+    first = await env.claim("a")  # nothing queued: the claims above are the ones that count
+    assert first is None
+    held = env.keys.worker_held_keys("a", "a-i")
+    scores = {key.decode(): int(score) for key, score in await env.redis.zrange(held, 0, -1, withscores=True)}
+    # Its cache let turn 1 go; the other conversation's key "o1" was claimed again since.
+    await env.lifecycle.release_prefix_keys("a", "a-i", [("s0", scores["s0"]), ("s1", scores["s1"])])
+    await env.lifecycle.release_prefix_keys("a", "a-i", [("o1", scores["o1"] - 1)])
+    assert sorted(key.decode() for key in await env.redis.zrange(held, 0, -1)) == ["o0", "o1"]
+    assert await env.create("turn2", ["s0", "s1", "s2"]) is None
+    assert await env.create("other2", ["o0", "o1", "o2"]) == "a"
+
+
+async def test_a_claim_names_the_keys_it_recorded(env: Env) -> None:
+    await env.create("turn1", ["s0", "s1"], window_s=0)
+    claim = await env.claim("a")
+    assert isinstance(claim, Claim) and claim.prefix_keys == ("s0", "s1")
+    held = env.keys.worker_held_keys("a", "a-i")
+    assert await env.redis.zscore(held, "s1") == claim.claimed_ms

@@ -17,7 +17,7 @@ from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine, RequestOutput
 from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.sequence import EngineRequest
+from worker.engine.sequence import EngineRequest, PrefixKeys
 from worker.native.kv_cache import KVCacheLayout
 
 MAX_LEN = 256
@@ -370,3 +370,19 @@ def test_a_stop_string_ends_the_text_with_or_without_itself(tiny: tuple[torch.nn
         assert collector.text(f"stop-{include}") == free[: cut + len(stop) if include else cut]
         finish = [e.finish_reason for e in _deltas(collector, f"stop-{include}") if e.finish_reason]  # type: ignore[attr-defined]
         assert finish == ["stop"]
+
+
+def test_placement_keys_stay_held_while_the_prefix_cache_holds_their_prompt(
+    tiny: tuple[torch.nn.Module, object],
+) -> None:
+    engine, collector = _engine(tiny, prefix_blocks=4)
+    first = EngineRequest("a", [[7] * (3 * BLOCK_SIZE + 1)], _greedy(1), prefix_keys=PrefixKeys(("a0", "a1"), 10))
+    engine.submit(first)
+    _drain(engine, collector, {"a"})
+    assert engine.held.num_keys == 2 and engine.held.released() == []
+    # Another conversation's prompt takes three of the pool's four blocks: "a" keeps one of three.
+    other = EngineRequest("b", [[8] * (3 * BLOCK_SIZE + 1)], _greedy(1), prefix_keys=PrefixKeys(("b0",), 20))
+    engine.submit(other)
+    _drain(engine, collector, {"b"})
+    assert sorted(engine.held.released()) == [("a0", 10), ("a1", 10)]
+    assert engine.held.num_keys == 1

@@ -11,6 +11,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, EndEvent, ErrorEvent, TokenLogprob, UsageCounts
 from worker.engine.detokenizer import Decoder
+from worker.engine.held_prefixes import HeldPrefixes
 from worker.engine.logprobs import token_logprobs
 from worker.engine.model_runner import ModelRunner, prefix_of
 from worker.engine.output_processor import OutputProcessor
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 # Aborts that arrive before their request (a client leaving while the job starts) are remembered.
 _MAX_EARLY_ABORTS = 1024
+# How often the placement keys of ended jobs are checked against the prefix cache, at most.
+_HELD_CHECK_S = 1.0
 
 
 @dataclass
@@ -44,6 +48,8 @@ class RequestOutput:
 
 
 OutputSink = Callable[[list[RequestOutput]], None]
+# Placement keys this engine holds no more, each with the latest claim (ms) of a job that named it.
+KeysReleased = Callable[[list[tuple[str, int]]], None]
 
 
 class EngineLoad(NamedTuple):
@@ -90,6 +96,9 @@ class LLMEngine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.before_step: Callable[[], None] | None = None  # run on the loop's thread before each step
+        self.held = HeldPrefixes(scheduler.prefixes)
+        self.on_keys_released: KeysReleased | None = None  # called on the loop's thread
+        self._held_checked_at = 0.0
 
     # -- API for jobs (any thread) --------------------------------------------------------------
     def submit(self, request: EngineRequest) -> None:
@@ -142,6 +151,7 @@ class LLMEngine:
                 logger.exception("engine step failed; failing every request in the engine")
                 self._fail_all("generation failed inside the worker")
                 continue
+            self._report_released_keys()
             if not did_work:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
@@ -228,7 +238,7 @@ class LLMEngine:
                 if request.is_finished:
                     self._emit(request.request_id, self._end_event(request), is_done=True)
                     if self._requests.get(request.request_id) is request:
-                        del self._requests[request.request_id]
+                        self._forget(request)
 
     @staticmethod
     def _end_event(request: EngineRequest) -> EndEvent:
@@ -259,7 +269,9 @@ class LLMEngine:
             # its runner follows, so the earlier one stops, silently, and nothing else is touched.
             logger.warning("request %s arrived again while it runs; its earlier attempt stops", request.request_id)
             self._release(earlier)
+            self._forget(earlier)
         self._requests[request.request_id] = request
+        self.held.started(request)
         early_abort = self._early_aborts.pop(request.request_id, None)
         if early_abort is not None:
             self._abort_request(early_abort)
@@ -284,7 +296,7 @@ class LLMEngine:
                 self.scheduler.add(seq)
         if request.is_finished:  # every choice had finished; only the end event was missing
             self._emit(request.request_id, self._end_event(request), is_done=True)
-            del self._requests[request.request_id]
+            self._forget(request)
 
     def _encode_images(self, request: EngineRequest) -> bool:
         """The request's image embeddings, on this thread (the vision tower is torch work too);
@@ -307,13 +319,14 @@ class LLMEngine:
         seq.sched.prefill_token_ids = seq.prompt_token_ids + sent_token_ids
 
     def _abort_request(self, command: _Abort) -> None:
-        request = self._requests.pop(command.request_id, None)
+        request = self._requests.get(command.request_id)
         if request is None:
             self._early_aborts[command.request_id] = command
             while len(self._early_aborts) > _MAX_EARLY_ABORTS:
                 self._early_aborts.popitem(last=False)
             return
         self._release(request)
+        self._forget(request)
         error = None
         if command.kind is not None:
             error = ErrorEvent(seq=request.take_event_seq(), kind=command.kind, message=command.message)
@@ -323,6 +336,21 @@ class LLMEngine:
         for seq in request.sequences:
             if not seq.sched.is_finished:
                 self.scheduler.release(seq)
+
+    def _forget(self, request: EngineRequest) -> None:
+        """``request`` leaves the engine: its placement keys stay held while its prompt is cached."""
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+        self.held.ended(request)
+
+    def _report_released_keys(self) -> None:
+        now = time.monotonic()
+        if now - self._held_checked_at < _HELD_CHECK_S:
+            return
+        self._held_checked_at = now
+        released = self.held.released()
+        if released and self.on_keys_released is not None:
+            self.on_keys_released(released)
 
     def _fail_all(self, message: str) -> None:
         for request_id in list(self._requests):

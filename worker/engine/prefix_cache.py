@@ -62,6 +62,7 @@ class PrefixCache:
         self._block_of: OrderedDict[int, int] = OrderedDict()  # chained hash → pool index, LRU first
         self._free = list(range(num_blocks))
         self.stats = PrefixCacheStats()
+        self.evictions = 0
 
     @property
     def num_bytes(self) -> int:
@@ -87,6 +88,18 @@ class PrefixCache:
     def remember(self, seq: Sequence, tokens: list[int], num_computed: int, finishing: bool) -> None:
         if seq.sched.slot is not None:
             self.store(seq.cache_keys(tokens), num_computed, self.cache, seq.sched.slot)
+
+    def mark(self, seq: Sequence) -> list[int]:
+        tokens = seq.cache_keys(seq.prompt_token_ids)
+        return block_hashes(tokens, len(tokens) // BLOCK_SIZE)
+
+    def cached_blocks(self, mark: list[int]) -> int:
+        held = 0
+        for block_hash in mark:
+            if block_hash not in self._block_of:
+                break
+            held += 1
+        return held
 
     # -- the pool -----------------------------------------------------------------------------------
 
@@ -133,6 +146,7 @@ class PrefixCache:
             block = self._free.pop()
         else:
             _, block = self._block_of.popitem(last=False)
+            self.evictions += 1
         self._block_of[block_hash] = block
         return block
 

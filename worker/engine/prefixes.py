@@ -21,6 +21,7 @@ from worker.engine.sequence import Sequence
 
 class Prefixes(Protocol):
     stats: PrefixCacheStats  # prompt tokens asked for and found, for the registry's hit rate
+    evictions: int  # cached prefixes dropped so far: what is held is worth checking again when it moves
 
     @property
     def idle_blocks(self) -> int:
@@ -49,12 +50,21 @@ class Prefixes(Protocol):
         later prompts: when its prompt is computed, and when it finishes."""
         ...
 
+    def mark(self, seq: Sequence) -> list[int]:
+        """What names ``seq``'s prompt in this cache: the hashes of its full blocks."""
+        ...
+
+    def cached_blocks(self, mark: list[int]) -> int:
+        """How many leading blocks of the prompt ``mark`` names the cache holds now."""
+        ...
+
 
 class NoPrefixes:
     """No prefix cache: every prompt is computed whole."""
 
     def __init__(self) -> None:
         self.stats = PrefixCacheStats()
+        self.evictions = 0
 
     @property
     def idle_blocks(self) -> int:
@@ -74,3 +84,9 @@ class NoPrefixes:
 
     def remember(self, seq: Sequence, tokens: list[int], num_computed: int, finishing: bool) -> None:
         pass
+
+    def mark(self, seq: Sequence) -> list[int]:
+        return []
+
+    def cached_blocks(self, mark: list[int]) -> int:
+        return 0

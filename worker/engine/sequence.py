@@ -29,6 +29,15 @@ class ResumeState:
     finished_choices: frozenset[int]
 
 
+@dataclass(frozen=True)
+class PrefixKeys:
+    """A job's placement keys (``shared.placement``) and when this worker claimed it (ms): the
+    worker says it holds them while its prefix cache holds the job's prompt (``held_prefixes.py``)."""
+
+    keys: tuple[str, ...]
+    claimed_ms: int
+
+
 @dataclass
 class EngineRequest:
     """One job: its prompts (one for chat, one or more for completions), its settings, and
@@ -44,6 +53,7 @@ class EngineRequest:
     constraint: CompiledConstraint | None = None  # a grammar the output must follow
     priority: int = 0  # 0 interactive, 1 batch: waiting requests are admitted in this order
     images: PromptImages | None = None  # a chat prompt's images (one prompt, vision models)
+    prefix_keys: PrefixKeys | None = None  # the job's placement keys, held while its prompt is cached
     next_event_seq: int = 1  # 0 is the start event
     num_finished: int = 0
     num_completion_tokens: int = 0

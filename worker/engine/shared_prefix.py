@@ -57,6 +57,7 @@ class SharedPrefixes:
         self._holders: dict[int, list[PrefixSlot]] = {}  # block hash → prefixes whose chain has it
         self._clock = 0
         self.stats = PrefixCacheStats()
+        self.evictions = 0
 
     @property
     def num_shared_blocks(self) -> int:
@@ -131,6 +132,17 @@ class SharedPrefixes:
         if prefix.num_refs == 0:
             self.kv.free(prefix)
             self._park(prefix)
+
+    def mark(self, seq: Sequence) -> list[int]:
+        tokens = seq.prompt_token_ids
+        return list(self._hashes(seq, tokens, len(tokens) // self.block_size))
+
+    def cached_blocks(self, mark: list[int]) -> int:
+        """A chain holds every block before its last: the longest block held is what counts."""
+        for index in range(len(mark) - 1, -1, -1):
+            if self._holders.get(mark[index]):
+                return index + 1
+        return 0
 
     # -- publishing -----------------------------------------------------------------------------
     def balance(self, running: list[Sequence]) -> None:
@@ -280,6 +292,7 @@ class SharedPrefixes:
 
     def _drop(self, prefix: PrefixSlot) -> None:
         """Forget ``prefix``'s chain; its slot's pages go back when the cache is trimmed."""
+        self.evictions += 1
         for block_hash in prefix.hashes:
             holders = self._holders[block_hash]
             holders.remove(prefix)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Literal, cast
 
 import torch
@@ -15,9 +16,9 @@ from shared.events import AnyEvent, DeltaEvent, EndEvent, UsageCounts
 from shared.registry import WorkerInfo, WorkerTask
 from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
 from worker.engine.detokenizer import Decoder
-from worker.engine.engine import LLMEngine, OutputSink
+from worker.engine.engine import KeysReleased, LLMEngine, OutputSink
 from worker.engine.self_test import PassedSelfTests, check_determinism
-from worker.engine.sequence import EngineRequest, ResumeState
+from worker.engine.sequence import EngineRequest, PrefixKeys, ResumeState
 from worker.kinds.base import Answer, ImageBytes, JobInputs, Readiness, wrong_task
 from worker.models.loader import LoadedModel, load_model
 from worker.native.compiled_decode import CompiledDecode, can_compile
@@ -69,6 +70,9 @@ class GenerationHandler:
             request = prepare_completion(job.job_id, job.request, self.loaded, limits)
         request.resume = resume
         request.priority = job.request.priority
+        claim = inputs.claim
+        if claim.prefix_keys:
+            request.prefix_keys = PrefixKeys(claim.prefix_keys, claim.claimed_ms)
         return request
 
     def tokenize(self, job: TokenizeJob, images: ImageBytes) -> Answer:
@@ -153,24 +157,26 @@ class GenerateKind:
         return GenerationHandler(loaded, tooling, engine, s.max_tokens_over_context)
 
     def describe(self, info: WorkerInfo) -> Readiness:
-        loaded, _ = self._started()
+        loaded, engine = self._started()
         if self._deterministic is not None:
             info.deterministic = self._deterministic
         compiled = self._compiled
+
+        def follow_released_keys(released: KeysReleased) -> None:
+            engine.on_keys_released = released
+
         readiness = Readiness(
             loaded.max_model_len,
             loaded.source,
             compile_probe=(lambda: compiled.state.value) if compiled is not None else None,
+            follow_released_keys=follow_released_keys,
         )
         if loaded.vision is None:
             return readiness
         info.vision = True
         stats = loaded.vision.stats
-        return Readiness(
-            readiness.max_input_len,
-            readiness.source,
-            readiness.compile_probe,
-            vision_probe=lambda: (stats.images_encoded, stats.image_cache_hits, stats.encode_seconds),
+        return replace(
+            readiness, vision_probe=lambda: (stats.images_encoded, stats.image_cache_hits, stats.encode_seconds)
         )
 
     def _started(self) -> tuple[LoadedModel, LLMEngine]:

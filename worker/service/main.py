@@ -4,10 +4,11 @@ SIGTERM/SIGINT drain within ``drain_timeout_s`` (then hand unfinished jobs back)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -81,7 +82,7 @@ class WorkerProcess:
             self.engine_thread.set_num_threads,
         )  # fmt: skip
         self._was_busy = False
-        self._beats: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()  # heartbeats and key releases
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
@@ -123,6 +124,8 @@ class WorkerProcess:
             self.registration.compile_probe = readiness.compile_probe
         if readiness.vision_probe is not None:
             self.registration.vision_probe = readiness.vision_probe
+        if readiness.follow_released_keys is not None:
+            readiness.follow_released_keys(self._keys_released(asyncio.get_running_loop()))
         self.registration.set_ready(engine.max_running, readiness.max_input_len, engine.load)
         await self.registration.beat()
         consume = asyncio.gather(*(consumer.main() for consumer in consumers))
@@ -175,15 +178,34 @@ class WorkerProcess:
         )  # fmt: skip
         return [interactive, batch]
 
+    def _keys_released(self, loop: asyncio.AbstractEventLoop) -> Callable[[list[tuple[str, int]]], None]:
+        """Prefix keys the engine holds no more leave this worker's held set (from the engine thread)."""
+        info = self.registration.info
+
+        async def release(released: list[tuple[str, int]]) -> None:
+            try:
+                await self.lifecycle.release_prefix_keys(info.worker_id, info.instance, released)
+            except RedisError as exc:  # held a little longer: the set is trimmed and expires anyway
+                logger.warning("could not release %d prefix keys: %s", len(released), exc)
+
+        def from_engine(released: list[tuple[str, int]]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the process is leaving
+                loop.call_soon_threadsafe(lambda: self._in_background(release(released), "relaylm-release-keys"))
+
+        return from_engine
+
+    def _in_background(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _jobs_changed(self) -> None:
         """A worker that turns busy or idle says so at once: neighbours on its cores resize
         their threads on their next registry read instead of after a heartbeat."""
         busy = self.registration.jobs_probe() > 0
         if busy != self._was_busy:
             self._was_busy = busy
-            beat = asyncio.create_task(self._beat_now(), name="relaylm-beat-now")
-            self._beats.add(beat)
-            beat.add_done_callback(self._beats.discard)
+            self._in_background(self._beat_now(), "relaylm-beat-now")
 
     async def _beat_now(self) -> None:
         try:
