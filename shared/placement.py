@@ -6,8 +6,16 @@ tools and the chat template's arguments (what comes before the first message in 
 prompt), then each message in order. Two jobs share a key exactly when their conversations are
 the same up to that message, so a follow-up turn (the earlier messages, the answer, a new
 message) holds every key of the turn before it. Keys are computed the same way by every API
-process; a worker holds the keys of the jobs it claimed (``shared.job_lifecycle``), and the
-claim prefers, for a bounded window, the live worker that holds a job's longest key.
+process; a worker holds the keys of the jobs it claimed (``shared.job_lifecycle``) while its
+prefix cache holds their prompts, and the claim prefers, for a bounded window, the live worker
+that holds a job's longest key.
+
+Where messages cannot tell, the client can: a job's ``affinity`` (OpenAI's ``prompt_cache_key``
+or ``user``; in the Responses API, the response it continues and its own) adds a key per name,
+so a conversation's second turn finds the worker of its first even when the first was one
+message. Those keys come right after the first message's: the claim tries a job's keys from the
+last to the second, so a held message prefix is preferred, then a named affinity. A worker
+holds a name's key as long as it holds any key (a name asks for the same worker, cached or not).
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import json
 
 from shared.contract import AnyJob, ChatJob
 
+AFFINITY_MARK = "~"
+"""Begins an affinity name's key (message keys are hex digests)."""
 MAX_KEYS = 32
 """A job's keys at most: the first message's, then those of its last messages (the longest
 prefixes are the ones worth finding, the first is the one most often shared)."""
@@ -26,8 +36,14 @@ def _digest(previous: str, part: str) -> str:
     return hashlib.sha256(f"{previous}\n{part}".encode()).hexdigest()[:20]
 
 
+def follows_cache(key: str) -> bool:
+    """Whether a worker holds ``key`` only while its prefix cache holds a prompt that has it."""
+    return not key.startswith(AFFINITY_MARK)
+
+
 def prefix_keys(job: AnyJob) -> list[str]:
-    """The job's keys, shortest prefix first; none for a job without chat messages."""
+    """The job's keys: its first message's, its affinity names', then those of its longer
+    prefixes in order; none for a job without chat messages."""
     if not isinstance(job, ChatJob) or not job.request.messages:
         return []
     generate = job.request
@@ -46,4 +62,8 @@ def prefix_keys(job: AnyJob) -> list[str]:
     for message in messages:
         chain = _digest(chain, message.model_dump_json())
         keys.append(chain)
-    return keys if len(keys) <= MAX_KEYS else [keys[0], *keys[-(MAX_KEYS - 1) :]]
+    names = job.affinity[: MAX_KEYS // 2]
+    named = [AFFINITY_MARK + _digest(json.dumps([generate.model, job.tenant, name]), "affinity") for name in names]
+    room = MAX_KEYS - len(named)
+    longer = keys[1:] if len(keys) <= room else keys[-(room - 1) :]
+    return [keys[0], *named, *longer]

@@ -79,6 +79,7 @@ def make_job(
         return ChatJob(
             job_id=job_id_for("chatcmpl", request_id, is_ours), request_id=request_id, created=created,
             tenant=tenant, request=chat_generate(request, priority, images.refs), delivery=_delivery(request),
+            affinity=_affinity(request),
         )  # fmt: skip
     if isinstance(request, CompletionRequest):
         return CompletionJob(
@@ -95,6 +96,14 @@ def make_job(
 def tokenize_job(request: Tokenize, request_id: str, is_ours: bool, tenant: str | None) -> TokenizeJob:
     job_id = job_id_for("tok", request_id, is_ours)
     return TokenizeJob(job_id=job_id, request_id=request_id, created=int(time.time()), tenant=tenant, request=request)
+
+
+def _affinity(request: SamplingFields) -> tuple[str, ...]:
+    """What names the request's conversation for placement: its ``prompt_cache_key``, else its
+    ``user`` (OpenAI's order: the cache key replaces the user for caching)."""
+    if request.prompt_cache_key:
+        return (f"prompt_cache_key:{request.prompt_cache_key}",)
+    return (f"user:{request.user}",) if request.user else ()
 
 
 def _delivery(request: SamplingFields, echo: bool = False) -> Delivery:

@@ -19,7 +19,7 @@ from api.errors import translation_error
 from api.jobs.images import JobImages
 from api.jobs.results import EndedJob
 from api.render.chat_stream import sse_response
-from api.render.responses import ResponseBuilder, collect_response, response_events
+from api.render.responses import ResponseBuilder, collect_response, response_events, response_id
 from api.response_store import StoredResponse
 from api.routes.chat import ERROR_RESPONSES, streaming_post, with_errors
 from api.routes.start import CLIENT_CLOSED_REQUEST, chat_job, start_stream
@@ -72,6 +72,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         # Resumable: a client that stops reading the stream leaves the job running.
         chat = chat.model_copy(update={"resumable": True, "stream": False, "stream_options": None})
     job, images = await chat_job(request, chat, image_sources(body, history))
+    # A chain of responses is one conversation: this one is placed where the one it continues ran.
+    chain = [response_id(job.job_id)] if body.store else []
+    if body.previous_response_id:
+        chain.insert(0, body.previous_response_id)
+    job = job.model_copy(update={"affinity": (*job.affinity, *(f"response:{name}" for name in chain))})
     if body.background:
         return await _start_background(request, body, job, earlier, images)
     stream = await start_stream(request, job, images)

@@ -173,6 +173,7 @@ class ResponsesRequest(_Wire):
     reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)
 
     def input_items(self) -> list[InputItem]:
         if isinstance(self.input, str):
@@ -201,6 +202,8 @@ def to_chat_request(request: ResponsesRequest, history: list[InputItem]) -> chat
         fields["max_completion_tokens"] = request.max_output_tokens
     if request.user:
         fields["user"] = request.user
+    if request.prompt_cache_key:
+        fields["prompt_cache_key"] = request.prompt_cache_key
     if request.tools:
         fields["tools"] = [
             chat.ToolDefinition(

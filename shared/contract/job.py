@@ -250,6 +250,12 @@ class _Job(_Contract):
         exclude=True,
         description="The API's alone: kept in the job's record beside the payload, never written into it.",
     )
+    affinity: tuple[str, ...] = Field(
+        default=(),
+        exclude=True,
+        description="The API's alone: what names the job's conversation besides its messages (a client's "
+        "prompt_cache_key or user, a Responses chain), for placement (``shared.placement``); never written.",
+    )
 
     @property
     def model(self) -> str:

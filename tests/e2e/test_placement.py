@@ -112,3 +112,37 @@ def test_a_worker_holds_a_conversation_only_while_its_prefix_cache_does(
     before = _matched(stack)
     _chat(stack, [*follow_up, {"role": "user", "content": "Go on."}])
     assert _matched(stack) == before
+
+
+def _post(stack: Stack, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{stack.base_url}{path}", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+def test_a_named_conversation_finds_its_worker_from_its_second_turn_on(two_workers: Stack) -> None:
+    """One-message turns share no prefix with each other; ``prompt_cache_key`` and a Responses
+    chain (``previous_response_id``) say which turns belong together."""
+    stack = two_workers
+    worker = [f"{stack.key_prefix}-worker{index}" for index in range(2)]
+    sampling = {"model": TWO_WORKER_MODEL, "temperature": 0}
+    keyed, chained = [], []
+    for session in range(4):
+        on = session % 2
+        with stack.workers[1 - on].paused():
+            chat = {**sampling, "max_tokens": 4, "prompt_cache_key": f"agent-{session}"}
+            answer = _post(stack, "/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "Hi"}]})
+            assert stack.job_owner(answer["id"]) == worker[on]
+            keyed.append(chat)
+            response = _post(stack, "/v1/responses", {**sampling, "max_output_tokens": 4, "input": f"Task {session}"})
+            assert stack.job_owner(response["id"].removeprefix("resp_")) == worker[on]
+            chained.append(response["id"])
+    for session in range(4):
+        on = session % 2
+        message = [{"role": "user", "content": f"Something else, {session}"}]
+        answer = _post(stack, "/v1/chat/completions", {**keyed[session], "messages": message})
+        assert stack.job_owner(answer["id"]) == worker[on], f"prompt_cache_key, session {session}"
+        body = {**sampling, "max_output_tokens": 4, "input": "Go on.", "previous_response_id": chained[session]}
+        response = _post(stack, "/v1/responses", body)
+        assert stack.job_owner(response["id"].removeprefix("resp_")) == worker[on], f"responses, session {session}"

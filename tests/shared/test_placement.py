@@ -67,6 +67,25 @@ def test_the_keys_cover_what_precedes_the_messages() -> None:
     assert prefix_keys(completion) == []
 
 
+@given(_messages, st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=3))
+def test_affinity_names_add_keys_after_the_first_message_and_change_no_other(
+    messages: list[Message], names: list[str]
+) -> None:
+    plain = prefix_keys(_chat(messages))
+    named = prefix_keys(_chat(messages).model_copy(update={"affinity": tuple(names)}))
+    assert len(named) <= MAX_KEYS
+    assert named[0] == plain[0]
+    if len(messages) + len(names) <= MAX_KEYS:
+        assert named[1 + len(names) :] == plain[1:]
+    other = prefix_keys(_chat([Message(role="user", content="another")]).model_copy(update={"affinity": (names[0],)}))
+    assert other[1] == named[1]  # one name, one key, whatever the messages
+
+
+def test_an_affinity_name_is_the_tenants_own() -> None:
+    job = _chat([Message(role="user", content="hi")]).model_copy(update={"affinity": ("user:alice",)})
+    assert prefix_keys(job)[1] != prefix_keys(job.model_copy(update={"tenant": "other-key"}))[1]
+
+
 # -- the claim ------------------------------------------------------------------------------------
 
 
@@ -229,3 +248,9 @@ async def test_a_claim_names_the_keys_it_recorded(env: Env) -> None:
     assert isinstance(claim, Claim) and claim.prefix_keys == ("s0", "s1")
     held = env.keys.worker_held_keys("a", "a-i")
     assert await env.redis.zscore(held, "s1") == claim.claimed_ms
+
+
+async def test_a_one_message_turn_is_placed_on_the_worker_its_affinity_name_ran_on(env: Env) -> None:
+    await env.served("b", "first", ["m1", "name"])
+    assert await env.create("second", ["m2", "name"]) == "b"  # another first message, the same name
+    assert await env.create("unnamed", ["m3"]) is None

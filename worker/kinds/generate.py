@@ -13,6 +13,7 @@ import torch
 from shared.contract import AnyJob, ChatJob, CompletionJob, TokenizeJob
 from shared.errors import ErrorKind, RelayError
 from shared.events import AnyEvent, DeltaEvent, EndEvent, UsageCounts
+from shared.placement import follows_cache
 from shared.registry import WorkerInfo, WorkerTask
 from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
 from worker.engine.detokenizer import Decoder
@@ -70,9 +71,10 @@ class GenerationHandler:
             request = prepare_completion(job.job_id, job.request, self.loaded, limits)
         request.resume = resume
         request.priority = job.request.priority
-        claim = inputs.claim
-        if claim.prefix_keys:
-            request.prefix_keys = PrefixKeys(claim.prefix_keys, claim.claimed_ms)
+        # The keys its conversation's prompt stands for; affinity names are held whatever is cached.
+        cached_keys = tuple(key for key in inputs.claim.prefix_keys if follows_cache(key))
+        if cached_keys:
+            request.prefix_keys = PrefixKeys(cached_keys, inputs.claim.claimed_ms)
         return request
 
     def tokenize(self, job: TokenizeJob, images: ImageBytes) -> Answer:

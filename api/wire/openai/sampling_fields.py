@@ -31,6 +31,12 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     user: str | None = None
+    prompt_cache_key: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Names requests that share a long prefix (a conversation, an agent): they are placed on the "
+        "worker that served the last of them, where its prefix cache holds it; in place of `user`.",
+    )
     # -- extensions (not in the OpenAI spec; vLLM's names) --------------------------------------
     top_k: int = Field(default=-1, ge=-1, description="Extension: keep the k most likely tokens; -1 or 0 = all.")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Extension: drop tokens below min_p × p(top).")
