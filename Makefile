@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 TEST_PROCESSES ?= 2
 CLUSTER_SUITES := tests/e2e/test_chat_openai_client.py tests/e2e/test_batches.py tests/e2e/test_responses_api.py
 
-.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
+.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-worker-start bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -80,6 +80,10 @@ bench-batch: $(BENCH_INSTALLED)
 ## Placement by prefix (~5 min): agent-like conversations over one worker and two (each on a core of its own), the claim's placement off and on; bench/results/placement.json.
 bench-placement: $(BENCH_INSTALLED)
 	$(PY) -m bench.placement_bench $(ARGS)
+
+## How soon a new worker takes load (~3 min): launch to registered, ready, first job and first token on the default model, from an empty cache, with the self-test to run, and warm; bench/results/worker_start.json.
+bench-worker-start: $(BENCH_INSTALLED)
+	$(PY) -m bench.worker_start_bench $(ARGS)
 
 ## Scaling and failover (~3 min): one worker vs two, a new worker taking load, SIGKILL failover.
 bench-scaling: $(BENCH_INSTALLED)

@@ -107,6 +107,13 @@ class Metrics:
             ["model", "lane"],
             registry=r,
         )
+        self.queued_prefill = Gauge(
+            "relaylm:queue_prefill_tokens",
+            "Prompt tokens of the jobs queued per model, by lane (estimated at 4 characters a token before any "
+            "tokenizer sees them): the prefill work waiting, what to scale workers on for long prompts",
+            ["model", "lane"],
+            registry=r,
+        )
         self.model_prefix_hit_rate = Gauge(
             "relaylm:model_prefix_cache_hit_rate",
             "Prompt tokens served from the prefix cache (0-1), the mean over a model's live workers",

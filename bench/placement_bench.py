@@ -1,7 +1,8 @@
-"""Placement by prefix: agent-like sessions over one worker and over two, each worker pinned to a
-core of its own (``taskset``, one torch thread: on a host of their own they would not share
-cores either), with the claim's placement off (``--placement-window-s 0``: the first worker to
-ask takes each job) and on (the default window), in one run, on the default model.
+"""Placement by prefix: agent-like sessions over one worker and over two and three, each worker
+pinned to a core of its own (``taskset``, one torch thread: on a host of their own they would not
+share cores either; a host with fewer cores than workers skips that point), with the claim's
+placement off (``--placement-window-s 0``: the first worker to ask takes each job) and on (the
+default window), in one run, on the default model.
 
 Each session has a long system prompt and a conversation that grows every turn (the model's
 answer, then a new user message); the sessions' turns interleave irregularly (a seeded shuffle
@@ -9,7 +10,7 @@ that keeps each session's turns in order), two requests in flight at a time. Rep
 setting: follow-up TTFT p50/p90, the share of follow-up prompt tokens served from the prefix
 cache, the share of follow-ups served at least 90 % from cache, and the throughput on distinct
 one-message prompts (which share no prefix) at 8 streams, which placement must not lower: the
-two-worker sides share the same two workers behind two API processes (one with placement off,
+sides of each point share the same workers behind two API processes (one with placement off,
 one with it on) and alternate throughput rounds (off, on; on, off; ...), so the machine's drift
 and any order effect fall on both.
 
@@ -184,10 +185,10 @@ def _one_worker(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"workers": 1, "placement": "off", "pinned": pinned, **_summary(turns, None)}
 
 
-def _two_workers(redis_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The same two workers behind two API processes, one with placement off and one with it on:
-    sessions through each (their own system prompts, so neither finds the other's in a cache),
-    then the distinct-prompt throughput in alternated rounds."""
+def _several_workers(redis_url: str, args: argparse.Namespace, workers: int) -> list[dict[str, Any]]:
+    """The same ``workers`` workers behind two API processes, one with placement off and one with
+    it on: sessions through each (their own system prompts, so neither finds the other's in a
+    cache), then the distinct-prompt throughput in alternated rounds."""
     off = Stack(redis_url=redis_url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-placement-off-")))
     on = Stack(
         redis_url=redis_url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-placement-on-")), key_prefix=off.key_prefix
@@ -195,7 +196,7 @@ def _two_workers(redis_url: str, args: argparse.Namespace) -> list[dict[str, Any
     try:
         off.start_api(placement_window_s=0, log_level="WARNING")
         on.start_api(placement_window_s=args.window_s, log_level="WARNING")
-        pinned = _start_workers(off, 2)
+        pinned = _start_workers(off, workers)
         sessions = args.sessions
         turns_off = asyncio.run(_sessions(off.base_url, range(sessions), args.turns, args.seed))
         turns_on = asyncio.run(_sessions(on.base_url, range(sessions, 2 * sessions), args.turns, args.seed))
@@ -209,7 +210,7 @@ def _two_workers(redis_url: str, args: argparse.Namespace) -> list[dict[str, Any
         on.stop()
         off.stop()
     return [
-        {"workers": 2, "placement": name, "pinned": pinned, "distinct_rounds_tok_s": rounds[name],
+        {"workers": workers, "placement": name, "pinned": pinned, "distinct_rounds_tok_s": rounds[name],
          **_summary(turns, statistics.median(rounds[name]))}
         for name, turns in (("off", turns_off), ("on", turns_on))
     ]  # fmt: skip
@@ -228,17 +229,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="throughput rounds per side, in the order ABBA")
     parser.add_argument("--round-s", type=float, default=10.0)
     parser.add_argument("--window-s", type=float, default=2.0, help="the placement window when on")
+    parser.add_argument("--workers", default="2,3", help="the points beyond one worker (each needs as many cores)")
     parser.add_argument("--out", type=Path, default=RESULTS / "placement.json")
     args = parser.parse_args()
 
     binary = find_redis_server()
+    skipped: list[int] = []
     own = start_redis(binary) if binary else None
     redis_url = own.url if own else os.environ.get("RELAYLM_REDIS_URL", "redis://127.0.0.1:6379/0")
     try:
         print("one worker ...", flush=True)
         runs = [_one_worker(redis_url, args)]
-        print("two workers, placement off and on ...", flush=True)
-        runs += _two_workers(redis_url, args)
+        for workers in (int(n) for n in args.workers.split(",")):
+            if workers > (os.cpu_count() or 1):
+                print(f"{workers} workers: skipped, this host has {os.cpu_count()} cores", flush=True)
+                skipped.append(workers)
+                continue
+            print(f"{workers} workers, placement off and on ...", flush=True)
+            runs += _several_workers(redis_url, args, workers)
     finally:
         if own:
             own.stop()
@@ -258,7 +266,8 @@ def main() -> None:
             f"| {run['follow_up_cached_share']:.1%} | {run['follow_ups_served_90pct_from_cache']:.1%} "
             f"| {'-' if tok_s is None else f'{tok_s:.1f}'} |"
         )
-    off, on = runs[1], runs[2]
+    sides = {(run["workers"], run["placement"]): run for run in runs[1:]}
+    points = sorted({workers for workers, _ in sides})
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
@@ -267,11 +276,16 @@ def main() -> None:
         "sessions": args.sessions,
         "turns": args.turns,
         "runs": runs,
-        "two_workers_p90_over_one_worker_p90": {
-            "off": off["follow_up_ttft_p90_ms"] / one_p90 if one_p90 else None,
-            "on": on["follow_up_ttft_p90_ms"] / one_p90 if one_p90 else None,
+        "skipped_workers": skipped,
+        "p90_over_one_worker_p90": {
+            str(n): {
+                side: sides[n, side]["follow_up_ttft_p90_ms"] / one_p90 if one_p90 else None for side in ("off", "on")
+            }
+            for n in points
         },
-        "distinct_throughput_on_over_off": on["distinct_tok_s"] / off["distinct_tok_s"],
+        "distinct_throughput_on_over_off": {
+            str(n): sides[n, "on"]["distinct_tok_s"] / sides[n, "off"]["distinct_tok_s"] for n in points
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

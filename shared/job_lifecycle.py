@@ -68,11 +68,12 @@ class JobState(StrEnum):
 # (0: none), payload, model, queue, now (ms), score, wake channel, record TTL (s), job id, tenant
 # ('' for none), the tenant's limit (0: none; its jobs are counted only when it has one), the
 # API's delivery options ('' for none), the job's prefix keys (space-separated, shortest first),
-# the placement window (ms; 0: none), the worker records' key prefix, the balance slack (jobs).
+# the placement window (ms; 0: none), the worker records' key prefix, the balance slack (jobs),
+# the job's prompt tokens (an estimate, for the queued-prefill gauge).
 # Returns {1, preferred
 # worker or ''}, 0 (queue full), -1 (id taken) or -2 (the tenant has its limit of open jobs).
 #
-# Placement: among the model's live workers, those that hold the job's longest held key past its
+# Placement: among the model's live workers that take requests, those that hold the job's longest held key past its
 # first message (they claimed a job of that conversation) and are ready with a free slot and no
 # more than the balance slack of jobs above the least busy ready worker; the first is preferred
 # for the window. None when no live worker holds such a key, or every live worker holds the
@@ -102,8 +103,8 @@ if #wanted > 1 then
     local live, least = {}, nil
     for _, worker_id in ipairs(redis.call('SMEMBERS', KEYS[5])) do
         local raw = redis.call('GET', ARGV[15] .. worker_id)
-        if raw then
-            local info = cjson.decode(raw)
+        local info = raw and cjson.decode(raw)
+        if info and info['lanes'] ~= 'batch' then
             local jobs = info['num_jobs'] or 0
             local ready = info['state'] == 'ready' and jobs < (info['max_num_seqs'] or 0)
             if ready and (not least or jobs < least) then least = jobs end
@@ -133,7 +134,7 @@ end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'request', ARGV[2], 'model', ARGV[3], 'queue', ARGV[4],
     'wake', ARGV[7], 'epoch', 0, 'attempts', 0, 'next_seq', 0, 'created_ms', ARGV[5], 'updated_ms', ARGV[5],
     'tenant', ARGV[10], 'tenant_jobs', counted, 'delivery', ARGV[12], 'placement', ARGV[13],
-    'preferred', preferred, 'preferred_until', tonumber(ARGV[5]) + window_ms)
+    'preferred', preferred, 'preferred_until', tonumber(ARGV[5]) + window_ms, 'prefill_tokens', ARGV[17])
 redis.call('EXPIRE', KEYS[1], ARGV[8])
 redis.call('ZADD', KEYS[2], ARGV[6], ARGV[9])
 redis.call('PUBLISH', ARGV[7], '')
@@ -411,13 +412,15 @@ class JobLifecycle:
         delivery: bytes = b"",
         prefix_keys: Sequence[str] = (),
         placement_window_s: float = 0.0,
+        prefill_tokens: int = 0,
     ) -> str | None:
         """A new queued job; raises JobQueueFull past ``limit`` queued and running jobs in its
         queue, TenantJobsFull past ``tenant_limit`` of the tenant's (0: no limit). ``payload`` is
         what its worker reads; ``delivery``, how the API renders its events, is kept beside it and
         read by API processes alone. ``prefix_keys`` (``shared.placement``): the job waits up to
         ``placement_window_s`` for the live worker that holds the longest of them; returns that
-        worker's id, None if the job is any worker's."""
+        worker's id, None if the job is any worker's. ``prefill_tokens``: its prompt's size (an
+        estimate), what ``queued_prefill_tokens`` adds up."""
         keys, now = self._keys, now_ms()
         replies = await self._replica_ack.write(
             self._redis,
@@ -430,7 +433,7 @@ class JobLifecycle:
                 args=[
                     limit, payload, model, queue, now, now, keys.queue_wake_channel(model), JOB_RECORD_TTL_S, job_id,
                     tenant or "", tenant_limit if tenant else 0, delivery, " ".join(prefix_keys),
-                    round(placement_window_s * 1000), keys.worker(""), PLACEMENT_BALANCE_SLACK,
+                    round(placement_window_s * 1000), keys.worker(""), PLACEMENT_BALANCE_SLACK, prefill_tokens,
                 ],
                 client=pipe,
             ),
@@ -491,6 +494,21 @@ class JobLifecycle:
 
     async def running_job_ids(self) -> list[str]:
         return texts(await self._redis.zrange(self._keys.running_jobs(), 0, -1))
+
+    async def queued_prefill_tokens(self, queue: str, sample: int = 1000) -> int:
+        """The prompt tokens waiting in ``queue`` (as their APIs estimated them): its first
+        ``sample`` jobs', scaled to its length (a scrape reads a bounded number of jobs)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(queue)
+            pipe.zrange(queue, 0, sample - 1)
+            length, head = await pipe.execute()
+        if not head:
+            return 0
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for job_id in texts(head):
+                pipe.hget(self._keys.job(job_id), "prefill_tokens")
+            sizes = [int(size or 0) for size in await pipe.execute()]
+        return round(sum(sizes) * int(length) / len(sizes))
 
     async def queued_job_ids(self, queue: str) -> list[str]:
         """The jobs waiting in ``queue``, first to be claimed first."""

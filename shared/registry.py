@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 
 WorkerState = Literal["loading", "ready", "draining"]
 WorkerTask = Literal["generate", "embed", "transcribe"]
+WorkerLanes = Literal["all", "interactive", "batch"]
 
 
 class WorkerInfo(BaseModel):
@@ -46,6 +47,9 @@ class WorkerInfo(BaseModel):
         description="The newest job contract version it reads (records without it are of version-1 workers).",
     )
     vision: bool = Field(default=False, description="It takes images in chat messages (a vision-language model).")
+    lanes: WorkerLanes = Field(
+        default="all", description="The queues it claims from: all, interactive (requests) or batch (batch lines)."
+    )
     images_encoded: int = Field(default=0, description="Images its vision tower encoded since it started.")
     image_cache_hits: int = Field(default=0, description="Images served from its image-embedding cache instead.")
     vision_encode_seconds: float = Field(default=0.0, description="Time its vision tower spent encoding images.")

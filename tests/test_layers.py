@@ -225,11 +225,15 @@ def test_jobs_start_through_one_client_and_end_in_one_result_store() -> None:
 
 
 def test_placement_is_decided_in_the_create_and_claim_scripts() -> None:
-    """No router: the API names a job's prefix keys, the lifecycle's scripts decide who takes it."""
+    """No router: the API names a job's prefix keys, the lifecycle's scripts decide who takes it,
+    and a worker's engine says which of the keys it claimed it still holds."""
     assert {m for m in _modules_naming("prefix_keys") if not m.startswith("tests.")} == {
-        "shared.placement", "shared.job_lifecycle", "api.jobs.client"
+        "shared.placement", "shared.job_lifecycle", "api.jobs.client",  # named, decided
+        "worker.kinds.generate", "worker.engine.sequence", "worker.engine.held_prefixes",  # held
     }  # fmt: skip
     assert {m for m in MODULES if "preferred_until" in MODULES[m].read_text()} == {"shared.job_lifecycle"}
+    held_set = {m for m in MODULES if ":held" in MODULES[m].read_text() and not m.startswith("tests.")}
+    assert held_set == {"shared.job_lifecycle", "shared.redis_keys"}
 
 
 def test_job_state_changes_go_through_the_lifecycle() -> None:

@@ -127,6 +127,11 @@ class WorkerSettings(CommonSettings):
         default_factory=_default_worker_id, description="Unique name in the registry (host-pid-random)."
     )
     heartbeat_interval_s: float = Field(default=1.0, gt=0, description="Registry heartbeat period.")
+    lanes: Literal["all", "interactive", "batch"] = Field(
+        default="all",
+        description="Which jobs it claims: all, interactive (requests, background jobs) or batch (batch lines "
+        "only: a pool that can scale to zero while no batch is queued).",
+    )
     batch_reserved_slots: int | None = Field(
         default=None,
         ge=0,

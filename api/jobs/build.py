@@ -98,6 +98,26 @@ def tokenize_job(request: Tokenize, request_id: str, is_ours: bool, tenant: str 
     return TokenizeJob(job_id=job_id, request_id=request_id, created=int(time.time()), tenant=tenant, request=request)
 
 
+CHARS_PER_TOKEN = 4
+"""What a prompt's size is estimated with before any tokenizer sees it (English text, BPE)."""
+
+
+def prompt_token_estimate(job: AnyJob) -> int:
+    """The job's prompt tokens as queued work: its text at ``CHARS_PER_TOKEN`` (token-id prompts
+    counted exactly), for the queued-prefill gauge that scales workers; 0 for audio and tokenize."""
+    request = job.request
+    if isinstance(request, Generate):
+        if request.messages is not None:
+            text = sum(len(message.model_dump_json()) for message in request.messages)
+            text += sum(len(tool.model_dump_json()) for tool in request.tools)
+            return text // CHARS_PER_TOKEN
+        prompts = request.prompts or []
+        return sum(len(prompt) if isinstance(prompt, list) else len(prompt) // CHARS_PER_TOKEN for prompt in prompts)
+    if isinstance(request, Embed):
+        return sum(len(item) if isinstance(item, list) else len(item) // CHARS_PER_TOKEN for item in request.inputs)
+    return 0
+
+
 def _affinity(request: SamplingFields) -> tuple[str, ...]:
     """What names the request's conversation for placement: its ``prompt_cache_key``, else its
     ``user`` (OpenAI's order: the cache key replaces the user for caching)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
-from api.jobs.build import SubmittableRequest
+from api.jobs.build import SubmittableRequest, prompt_token_estimate
 from api.jobs.event_router import EventRouter
 from api.jobs.stream import DisconnectProbe, JobStream, StreamServices
 from api.jobs.worker_directory import WorkerDirectory
@@ -132,8 +132,9 @@ class JobClient:
             # holder only from the second message on.
             window_s = self.settings.placement_window_s if len(keys) > 1 else 0.0
             preferred = await self.lifecycle.create(
-                job.job_id, payload, model, queue, limit, job.tenant, key_limit, delivery, keys, window_s
-            )
+                job.job_id, payload, model, queue, limit, job.tenant, key_limit, delivery, keys, window_s,
+                prompt_token_estimate(job),
+            )  # fmt: skip
             if keys and self.settings.placement_window_s > 0:
                 self.metrics.placements.labels(model, "matched" if preferred else "none").inc()
         except RedisError as exc:

@@ -27,18 +27,19 @@ FORGOTTEN_AFTER_S = 5.0
 
 @dataclass(frozen=True)
 class ModelWorkers:
-    """One reading of a model's workers. Live means ready: a loading worker claims no job yet, and a
-    draining one no new job."""
+    """One reading of a model's workers. Live means ready to take requests: a loading worker
+    claims no job yet, a draining one no new job, and a batch-only one (``--lanes batch``) batch
+    lines alone (they wait for such a worker, however long: a batch pool may scale to zero)."""
 
     workers: tuple[WorkerInfo, ...] = ()
 
     @property
     def ready(self) -> list[WorkerInfo]:
-        return [worker for worker in self.workers if worker.state == "ready"]
+        return [worker for worker in self.workers if worker.state == "ready" and worker.lanes != "batch"]
 
     @property
     def loading(self) -> list[WorkerInfo]:
-        return [worker for worker in self.workers if worker.state == "loading"]
+        return [worker for worker in self.workers if worker.state == "loading" and worker.lanes != "batch"]
 
     @property
     def readable_version(self) -> int:

@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from api.jobs.worker_directory import WorkerDirectory
 from api.metrics import Metrics
 from api.services import services_of
+from shared.job_lifecycle import JobLifecycle
 
 router = APIRouter()
 
@@ -15,11 +16,11 @@ router = APIRouter()
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
     state = services_of(request)
-    await refresh_workers(state.metrics, state.directory)
+    await refresh_workers(state.metrics, state.directory, state.lifecycle)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def refresh_workers(metrics: Metrics, directory: WorkerDirectory) -> None:
+async def refresh_workers(metrics: Metrics, directory: WorkerDirectory, lifecycle: JobLifecycle) -> None:
     """Copy the registry into the gauges (workers that died disappear from the labels)."""
     for gauge in (
         metrics.running,
@@ -28,6 +29,7 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory) -> None:
         metrics.prefix_hit_rate,
         metrics.queue_depth,
         metrics.backlog,
+        metrics.queued_prefill,
         metrics.model_prefix_hit_rate,
         metrics.live_workers,
         metrics.images_encoded,
@@ -42,6 +44,9 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory) -> None:
         interactive, batch = await directory.backlog(record.model)
         metrics.backlog.labels(record.model, "interactive").set(interactive)
         metrics.backlog.labels(record.model, "batch").set(batch)
+        for lane, queue in (("interactive", lifecycle.keys.queue), ("batch", lifecycle.keys.batch_queue)):
+            tokens = await lifecycle.queued_prefill_tokens(queue(record.model))
+            metrics.queued_prefill.labels(record.model, lane).set(tokens)
         if workers:
             mean_hit_rate = sum(worker.prefix_cache_hit_rate for worker in workers) / len(workers)
             metrics.model_prefix_hit_rate.labels(record.model).set(mean_hit_rate)

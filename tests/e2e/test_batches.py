@@ -363,3 +363,23 @@ def test_a_batch_past_its_window_expires_and_reports_the_unfinished_lines(batch_
     done = {line["custom_id"] for line in _output_lines(client, batch.output_file_id)}
     assert done.isdisjoint(line["custom_id"] for line in errors)
     assert len(done) + len(errors) == 64
+
+
+def test_a_batch_only_worker_runs_batch_lines_and_takes_no_requests(
+    redis_url: str, log_dir: Path, tiny_model_path: Path
+) -> None:
+    """``--lanes batch``: a pool that serves batch lines alone (and so may scale to zero); a
+    request for its model is refused at once rather than left waiting for it."""
+    stack = make_stack(redis_url, log_dir)
+    try:
+        stack.start_api(**API_SETTINGS)
+        stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=256, lanes="batch")
+        client = stack.client().with_options(max_retries=0)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert refused.value.status_code == 503
+        batch = _wait(client, _submit(client, [_line(f"line-{index}") for index in range(3)]).id, _done)
+        assert batch.status == "completed" and batch.request_counts is not None
+        assert batch.request_counts.completed == 3
+    finally:
+        stack.stop()

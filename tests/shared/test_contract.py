@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from api.batches.validation import REQUEST_MODELS
-from api.jobs.build import BATCH, chat_generate, make_job, tokenize_job
+from api.jobs.build import BATCH, CHARS_PER_TOKEN, chat_generate, make_job, prompt_token_estimate, tokenize_job
 from api.wire.anthropic import MessagesRequest
 from api.wire.anthropic import to_chat_request as messages_to_chat
 from api.wire.openai.chat_request import ChatCompletionRequest
@@ -253,6 +253,26 @@ def test_the_delivery_options_are_kept_beside_the_payload_not_in_it() -> None:
     # A payload of an API that kept them inside it is read with them.
     older = {**json.loads(encode_job(job)), "delivery": {"stream": True, "resumable": True}}
     assert decode_job(json.dumps(older).encode()) == job
+
+
+def test_a_conversations_name_is_the_apis_alone_and_prompt_cache_key_comes_before_user() -> None:
+    wire = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "user": "alice"}
+    by_user = make_job(ChatCompletionRequest.model_validate(wire), "r", True)
+    keyed = make_job(ChatCompletionRequest.model_validate({**wire, "prompt_cache_key": "agent-7"}), "r", True)
+    assert by_user.affinity == ("user:alice",) and keyed.affinity == ("prompt_cache_key:agent-7",)
+    for version in range(OLDEST_VERSION, CONTRACT_VERSION + 1):
+        assert "affinity" not in json.loads(encode_job(keyed, version))
+
+
+def test_a_prompts_size_is_estimated_from_its_text_and_counted_from_its_token_ids() -> None:
+    chat = make_job(ChatCompletionRequest.model_validate(_CHAT), "r", True)
+    generate = chat.request
+    assert isinstance(generate, Generate) and generate.tools
+    text = sum(len(part.model_dump_json()) for part in [*(generate.messages or []), *generate.tools])
+    assert prompt_token_estimate(chat) == text // CHARS_PER_TOKEN > 0
+    tokens = {"model": "m", "prompt": [[1, 2, 3], [4, 5]]}
+    completion = make_job(REQUEST_MODELS["/v1/completions"].model_validate(tokens), "r", True)
+    assert prompt_token_estimate(completion) == 5
 
 
 def test_a_field_newer_than_the_reader_is_written_only_at_its_default() -> None:

@@ -254,3 +254,13 @@ async def test_a_one_message_turn_is_placed_on_the_worker_its_affinity_name_ran_
     await env.served("b", "first", ["m1", "name"])
     assert await env.create("second", ["m2", "name"]) == "b"  # another first message, the same name
     assert await env.create("unnamed", ["m3"]) is None
+
+
+async def test_queued_prefill_tokens_add_up_the_estimates_of_the_queued_jobs(env: Env) -> None:
+    for index, tokens in enumerate((100, 250, 50)):
+        await env.lifecycle.create(f"q{index}", b"{}", MODEL, env.queue, prefill_tokens=tokens)
+    assert await env.lifecycle.queued_prefill_tokens(env.queue) == 400
+    assert await env.lifecycle.queued_prefill_tokens(env.queue, sample=2) == round(350 * 3 / 2)
+    assert isinstance(await env.claim("a"), Claim)
+    assert await env.lifecycle.queued_prefill_tokens(env.queue) == 300
+    assert await env.lifecycle.queued_prefill_tokens(env.keys.batch_queue(MODEL)) == 0

@@ -74,7 +74,7 @@ class WorkerProcess:
         self.kind = make_kind(settings, self.publisher.sink, initial_threads)
         self.registration = WorkerRegistration(
             self.redis, self.keys, settings.worker_id, settings.model_id, settings.heartbeat_interval_s, self.kind.task,
-            cpus=cpu_set(), sizes_own_threads=settings.num_threads is None,
+            cpus=cpu_set(), sizes_own_threads=settings.num_threads is None, lanes=settings.lanes,
         )  # fmt: skip
         self.engine_thread = EngineThread(self.kind.start, initial_threads)
         self.host_pool = HostPool(
@@ -156,8 +156,9 @@ class WorkerProcess:
         await self.redis.aclose()
 
     def _consumers(self, runner: JobRunner[Any], engine: Engine[Any]) -> list[QueueConsumer]:
-        """The model's interactive queue, and its batch queue: batch lines take only the slots
-        interactive work leaves, never the reserved ones, and wait while requests queue in the engine."""
+        """The model's interactive queue, and its batch queue (as ``--lanes`` says): beside
+        interactive work, batch lines take only the slots it leaves, never the reserved ones, and
+        wait while requests queue in the engine; a batch-only worker gives them every slot."""
         s = self.settings
         instance = self.registration.info.instance
         min_wait, changed = self.host_pool.claim_min_wait_s, self._jobs_changed
@@ -165,18 +166,20 @@ class WorkerProcess:
             s, self.lifecycle, instance, runner, engine.max_running, self.keys.queue(s.model_id),
             claim_min_wait_s=min_wait, on_jobs_changed=changed,
         )  # fmt: skip
+        if s.lanes == "interactive":
+            return [interactive]
         reserved = s.batch_reserved_slots if s.batch_reserved_slots is not None else engine.max_running // 2
-        batch_slots = max(1, engine.max_running - reserved)
+        batch_slots = engine.max_running if s.lanes == "batch" else max(1, engine.max_running - reserved)
 
         def has_room_for_batch() -> bool:
-            busy = interactive.num_jobs_running + batch.num_jobs_running
+            busy = batch.num_jobs_running + (interactive.num_jobs_running if s.lanes == "all" else 0)
             return busy < batch_slots and engine.num_waiting == 0
 
         batch = make_consumer(
             s, self.lifecycle, instance, runner, batch_slots, self.keys.batch_queue(s.model_id), priority=1,
             claim_gate=has_room_for_batch, claim_min_wait_s=min_wait, on_jobs_changed=changed,
         )  # fmt: skip
-        return [interactive, batch]
+        return [batch] if s.lanes == "batch" else [interactive, batch]
 
     def _keys_released(self, loop: asyncio.AbstractEventLoop) -> Callable[[list[tuple[str, int]]], None]:
         """Prefix keys the engine holds no more leave this worker's held set (from the engine thread)."""

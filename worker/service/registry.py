@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from shared.contract import CONTRACT_VERSION
 from shared.redis_keys import MODEL_FORGET_AFTER_S, WORKER_HEARTBEAT_TTL_S, RedisKeys
-from shared.registry import ModelRecord, WorkerInfo, WorkerState, WorkerTask
+from shared.registry import ModelRecord, WorkerInfo, WorkerLanes, WorkerState, WorkerTask
 from shared.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ class WorkerRegistration:
         task: WorkerTask,
         cpus: list[int] | None = None,
         sizes_own_threads: bool = False,
+        lanes: WorkerLanes = "all",
     ) -> None:
         self._redis = redis
         self._keys = keys
@@ -52,6 +53,7 @@ class WorkerRegistration:
             cpus=cpus or [],
             sizes_own_threads=sizes_own_threads,
             contract_version=CONTRACT_VERSION,
+            lanes=lanes,
         )
         self._load_probe: LoadProbe = lambda: (0, 0, 0.0, 0.0)
         self.jobs_probe: Callable[[], int] = lambda: 0  # jobs the queue consumers hold
