@@ -67,9 +67,15 @@ class ResultStore:
         self._retention_s = retention_s
 
     async def collect(self) -> list[str]:
-        """Keep the result of every tracked background job that ended; returns their ids."""
+        """Keep the result of every tracked background job that ended; returns their ids. The
+        tracked jobs' records are read in one round trip: one still queued or running costs the
+        sweep nothing more."""
+        job_ids = await self._lifecycle.background_job_ids()
+        records = await self._lifecycle.records(job_ids) if job_ids else {}
         collected: list[str] = []
-        for job_id in await self._lifecycle.background_job_ids():
+        for job_id, record in records.items():
+            if record is not None and not record.state.is_final:
+                continue
             if await self.keep(job_id) is not None:
                 collected.append(job_id)
         return collected
