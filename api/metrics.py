@@ -8,7 +8,11 @@ every worker, and workers expose no port of their own.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS_S = (
     0.005,
@@ -31,6 +35,21 @@ _LATENCY_BUCKETS_S = (
     80.0,
 )
 _ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class DeploymentCounter(Collector):
+    """A counter kept in Redis for the whole deployment (every API process reports the same
+    value), copied in on each scrape."""
+
+    def __init__(self, name: str, documentation: str, label: str) -> None:
+        self._name, self._documentation, self._label = name, documentation, label
+        self.values: dict[str, int] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
+        for value_label, value in sorted(self.values.items()):
+            family.add_metric([value_label], value)
+        yield family
 
 
 class Metrics:
@@ -107,6 +126,13 @@ class Metrics:
             ["model", "lane"],
             registry=r,
         )
+        self.placement_spills = DeploymentCounter(
+            "relaylm:placements_spilled",
+            "Chat jobs claimed by a worker other than the one they were placed on: the placement window ended, or "
+            "that worker was gone, draining or full (deployment-wide: every API process reports the same count)",
+            "model",
+        )
+        r.register(self.placement_spills)
         self.queued_prefill = Gauge(
             "relaylm:queue_prefill_tokens",
             "Prompt tokens of the jobs queued per model, by lane (estimated at 4 characters a token before any "

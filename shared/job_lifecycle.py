@@ -143,7 +143,8 @@ return {1, preferred}
 
 # KEYS: queue, queue's running set, all running jobs. ARGV: job key prefix, worker id, worker
 # instance, now (ms), the latest queue score (enqueue time, ms) it may take ('' for any), the
-# worker records' key prefix, how many prefix keys a worker holds at most, their TTL (s). Takes
+# worker records' key prefix, how many prefix keys a worker holds at most, their TTL (s), the
+# placement spills' hash (counted per model when a job placed on another worker is taken). Takes
 # the first of the queue's first 64 jobs that is still queued and is this worker's to take (a
 # cancelled one is dropped on the way); returns {id, epoch, attempt, next_seq, payload, prefix
 # keys}, {ms}
@@ -166,7 +167,7 @@ for i = 1, #head, 2 do
         break
     end
     local job = ARGV[1] .. id
-    local f = redis.call('HMGET', job, 'state', 'preferred', 'preferred_until', 'placement')
+    local f = redis.call('HMGET', job, 'state', 'preferred', 'preferred_until', 'placement', 'model')
     if f[1] ~= 'queued' then
         redis.call('ZREM', KEYS[1], id)
     else
@@ -183,6 +184,7 @@ for i = 1, #head, 2 do
             if not ready_in or wait < ready_in then ready_in = wait end
         else
             redis.call('ZREM', KEYS[1], id)
+            if f[2] and f[2] ~= '' and f[2] ~= ARGV[2] then redis.call('HINCRBY', ARGV[9], f[5] or '', 1) end
             local epoch = redis.call('HINCRBY', job, 'epoch', 1)
             local attempt = redis.call('HINCRBY', job, 'attempts', 1)
             redis.call('HSET', job, 'state', 'running', 'owner', ARGV[2], 'owner_instance', ARGV[3],
@@ -458,8 +460,11 @@ class JobLifecycle:
         latest = str(now - round(min_wait_s * 1000)) if min_wait_s > 0 else ""
         reply = await self._claim(
             keys=[queue, keys.queue_running(queue), keys.running_jobs()],
-            args=[keys.job_prefix, worker_id, instance, now, latest, keys.worker(""), HELD_KEYS_MAX, HELD_KEYS_TTL_S],
-        )
+            args=[
+                keys.job_prefix, worker_id, instance, now, latest, keys.worker(""), HELD_KEYS_MAX, HELD_KEYS_TTL_S,
+                keys.placement_spills(),
+            ],
+        )  # fmt: skip
         if not reply:
             return None
         if len(reply) == 1:
@@ -494,6 +499,11 @@ class JobLifecycle:
 
     async def running_job_ids(self) -> list[str]:
         return texts(await self._redis.zrange(self._keys.running_jobs(), 0, -1))
+
+    async def placement_spills(self) -> dict[str, int]:
+        """Model → jobs taken by a worker other than the one they were placed on."""
+        raw = await self._redis.hgetall(self._keys.placement_spills())
+        return {as_bytes(model).decode(): int(count) for model, count in raw.items()}
 
     async def queued_prefill_tokens(self, queue: str, sample: int = 1000) -> int:
         """The prompt tokens waiting in ``queue`` (as their APIs estimated them): its first

@@ -75,6 +75,11 @@ class RedisKeys:
         """Pub/sub channel pinged after an enqueue, so idle workers claim at once."""
         return f"{self.prefix}:queue:{model}:wake"
 
+    def placement_spills(self) -> str:
+        """Hash model → jobs claimed by a worker other than the one they were placed on (the
+        window ended, or that worker could not take them), since Redis last lost its data."""
+        return f"{self.prefix}:placement:spilled"
+
     def running_jobs(self) -> str:
         """Sorted set of every running job (score: claim time): API processes watch their owners."""
         return f"{self.prefix}:jobs:running"

@@ -37,6 +37,7 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory, lifecycl
         metrics.vision_encode_seconds,
     ):
         gauge.clear()
+    metrics.placement_spills.values = await lifecycle.placement_spills()
     for record in await directory.model_records():
         workers = await directory.workers(record.model)
         metrics.live_workers.labels(record.model).set(len(workers))

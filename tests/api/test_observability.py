@@ -81,6 +81,7 @@ def test_metrics_count_known_requests(tiny_stack: Stack) -> None:
         assert ("relaylm:queue_backlog", frozenset({**model, "lane": lane}.items())) in after
         assert ("relaylm:queue_prefill_tokens", frozenset({**model, "lane": lane}.items())) in after
     assert ("relaylm:model_prefix_cache_hit_rate", frozenset(model.items())) in after
+    assert "# TYPE relaylm:placements_spilled_total counter" in httpx.get(f"{tiny_stack.base_url}/metrics").text
     worker = {"model": TINY_MODEL, "worker": f"{tiny_stack.key_prefix}-worker0"}
     assert ("relaylm:num_requests_running", frozenset(worker.items())) in after
 

@@ -151,6 +151,7 @@ async def test_a_follow_up_is_left_to_the_worker_that_holds_its_conversation(env
     assert isinstance(waiting, NotYet) and 0 < waiting.ready_in_s <= WINDOW_S
     claim = await env.claim("a")
     assert isinstance(claim, Claim) and claim.job_id == "turn2"
+    assert await env.lifecycle.placement_spills() == {}
 
 
 async def test_another_worker_takes_it_once_the_window_ends(placed: Env) -> None:
@@ -162,6 +163,7 @@ async def test_another_worker_takes_it_once_the_window_ends(placed: Env) -> None
         claim = await env.claim("b")
     assert isinstance(claim, Claim) and claim.job_id == "turn2"
     assert WINDOW_S * 0.9 <= time.monotonic() - started < WINDOW_S + 1.0
+    assert await env.lifecycle.placement_spills() == {MODEL: 1}
 
 
 @pytest.mark.parametrize("preferred", ["dead", "draining", "full"])
@@ -173,6 +175,7 @@ async def test_a_preferred_worker_that_cannot_take_it_holds_nothing_back(placed:
         await env.heartbeat("a", state="draining" if preferred == "draining" else "ready", num_jobs=2)
     claim = await env.claim("b")
     assert isinstance(claim, Claim) and claim.job_id == "turn2"
+    assert await env.lifecycle.placement_spills() == {MODEL: 1}
 
 
 async def test_no_placement_where_no_live_worker_or_every_one_holds_the_prefix(env: Env) -> None:
