@@ -44,7 +44,7 @@ from faster_whisper import WhisperModel
 
 from api.audio.windows import cut_windows
 from bench.machine_load import CONTENDED_CORES, OtherLoad
-from bench.report import cpu_name
+from bench.result_file import cpu_name
 from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.support.audio import LIBRIVOX_DIR, librivox_clips, long_recording, read_wav, word_errors
 from tests.support.stack import Process, Stack

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.http_load import run_streams
+from bench.result_file import machine, write_result
 from bench.stats import summarize
 from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.support.stack import Process, Stack
@@ -109,7 +108,7 @@ def main() -> None:
         print(f"| {concurrency} | {before:.1f} | {after:.1f} | {after / before:.3f} |")
     report: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "command": f"python -m bench.compare_checkouts --before <checkout of {_commit(args.before)}>",
         "before": _commit(args.before),
         "after": _commit(HERE),
@@ -118,19 +117,7 @@ def main() -> None:
         "rounds_tok_s": {side: {str(c): v for c, v in by_c.items()} for side, by_c in rounds.items()},
         "after_over_before": ratios,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    write_result(args.out, report)
 
 
 if __name__ == "__main__":

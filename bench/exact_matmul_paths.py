@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import cpu_name
+from bench.result_file import cpu_name
 from worker.native import exact
 
 RESULTS = Path(__file__).parent / "results" / "exact_matmul_paths.json"

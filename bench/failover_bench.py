@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from bench.report import cpu_name
+from bench.result_file import cpu_name
 from relaylm.redis_launcher import find_redis_server
 from tests.support.failover import Replicated
 from tests.support.redis_cluster import NODE_TIMEOUT_MS, ClusterNodes, ClusterShard, start_cluster

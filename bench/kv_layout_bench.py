@@ -26,17 +26,13 @@ from typing import Any
 import torch
 
 from bench.in_process import InProcessEngine
+from bench.result_file import cpu_name
 from bench.serving_bench import RESULTS, bodies_for, engine_config, kv_layout_scenario
 from bench.stats import summarize
 from bench.workload import chat_prompt_ids, distinct_prompts
 from worker.engine.builder import EngineConfig, default_max_num_batched_tokens
 from worker.models.loader import load_model
 from worker.settings import DEFAULT_MODEL, WorkerSettings
-
-
-def _cpu_model() -> str:
-    lines = Path("/proc/cpuinfo").read_text().splitlines()
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
 
 
 def full_context_scenario(
@@ -121,7 +117,7 @@ def main() -> None:
     report = {
         "command": "python -m bench.kv_layout_bench " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in shown),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"cpu": _cpu_model(), "threads": torch.get_num_threads()},
+        "machine": {"cpu": cpu_name(), "threads": torch.get_num_threads()},
         "model": DEFAULT_MODEL,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         **result,

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from bench.quantization_bench import PASSAGE, _Chunk, perplexity
-from bench.report import cpu_name
+from bench.result_file import cpu_name
 from tests.support.models import test_cache_dir
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import PrefillChunk

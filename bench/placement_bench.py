@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -37,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from bench.result_file import machine, write_result
 from bench.stats import percentile_ms
 from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.support.stack import Stack
@@ -270,7 +270,7 @@ def main() -> None:
     points = sorted({workers for workers, _ in sides})
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "command": "python -m bench.placement_bench",
         "model": DEFAULT_MODEL,
         "sessions": args.sessions,
@@ -287,19 +287,7 @@ def main() -> None:
             str(n): sides[n, "on"]["distinct_tok_s"] / sides[n, "off"]["distinct_tok_s"] for n in points
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    write_result(args.out, report)
 
 
 if __name__ == "__main__":

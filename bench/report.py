@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import argparse
 import platform
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.stats import RunSummary
-
-
-def cpu_name() -> str:
-    """The CPU's model name, as lscpu (else /proc/cpuinfo) gives it."""
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        lscpu = ""
-    for line in lscpu.splitlines() + Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith(("Model name:", "model name")):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def build_report(

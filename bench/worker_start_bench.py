@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import tempfile
@@ -35,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from bench.result_file import machine, write_result
 from relaylm.redis_launcher import find_redis_server, start_redis
 from tests.support.stack import Process, Stack
 from worker.settings import DEFAULT_MODEL
@@ -138,24 +138,12 @@ def main() -> None:
         )
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "command": "python -m bench.worker_start_bench",
         "model": DEFAULT_MODEL,
         "starts": starts,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    write_result(args.out, report)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 from tests.worker.engine_helpers import CharDecoder
 from worker.engine.held_prefixes import HeldPrefixes
-from worker.engine.kv_blocks import KVBlockBudget
-from worker.engine.prefix_cache import PrefixCacheStats
+from worker.engine.prefixes import NoPrefixes
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sequence import EngineRequest, PrefixKeys, Sequence
 
 
-class Blocks:
+class Blocks(NoPrefixes):
     """A prefix cache reduced to the blocks it holds: a prompt's mark is its tokens, one per block."""
 
     def __init__(self) -> None:
-        self.stats = PrefixCacheStats()
-        self.evictions = 0
+        super().__init__()
         self.cached: set[int] = set()
 
     def evict(self, *blocks: int) -> None:
@@ -28,31 +26,7 @@ class Blocks:
         return list(seq.prompt_token_ids)
 
     def cached_blocks(self, mark: list[int]) -> int:
-        held = 0
-        for block in mark:
-            if block not in self.cached:
-                break
-            held += 1
-        return held
-
-    @property
-    def idle_blocks(self) -> int:
-        return 0
-
-    def reserve(self, seq: Sequence, budget: KVBlockBudget) -> bool:
-        return True
-
-    def fill(self, seq: Sequence, slot: int) -> int:
-        return 0
-
-    def balance(self, running: list[Sequence]) -> None:
-        pass
-
-    def leave(self, seq: Sequence) -> None:
-        pass
-
-    def remember(self, seq: Sequence, tokens: list[int], num_computed: int, finishing: bool) -> None:
-        self.cached |= set(tokens)
+        return next((index for index, block in enumerate(mark) if block not in self.cached), len(mark))
 
 
 def _request(request_id: str, blocks: list[int], keys: tuple[str, ...], claimed_ms: int) -> EngineRequest:
