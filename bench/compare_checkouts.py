@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,32")
     parser.add_argument("--rounds", type=int, default=4, help="rounds per side and concurrency, ABBA")
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--prompt-repeats", type=int, default=12, help="~10 tokens each: 600 gives a ~6k-token prefill")
+    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--out", type=Path, default=RESULTS / "compare_checkouts.json")
     args = parser.parse_args()
 
@@ -75,14 +77,15 @@ def main() -> None:
     redis_url = own.url if own else os.environ.get("RELAYLM_REDIS_URL", "redis://127.0.0.1:6379/0")
     sides: dict[str, CheckoutStack] = {}
     rounds: dict[str, dict[int, list[float]]] = {"before": {}, "after": {}}
-    prompts = (f"Request {index}. " + "Describe how a queue works, step by step. " * 12 for index in range(10**9))
+    filler = "Describe how a queue works, step by step. " * args.prompt_repeats
+    prompts = (f"Request {index}. {filler}" for index in range(10**9))
     try:
         for name, checkout in (("before", args.before.resolve()), ("after", HERE)):
             stack = CheckoutStack(redis_url=redis_url, log_dir=Path(tempfile.mkdtemp(prefix=f"relaylm-{name}-")))
             stack.checkout = checkout
             sides[name] = stack
             stack.start_api(log_level="WARNING")
-            stack.start_worker(DEFAULT_MODEL, DEFAULT_MODEL, log_level="WARNING", max_model_len=1024)
+            stack.start_worker(DEFAULT_MODEL, DEFAULT_MODEL, log_level="WARNING", max_model_len=args.max_model_len)
             asyncio.run(run_streams(stack.base_url, DEFAULT_MODEL, [next(prompts)], 8))  # warm up
         for concurrency in (int(c) for c in args.concurrency.split(",")):
             for index in range(args.rounds):
@@ -114,6 +117,7 @@ def main() -> None:
         "after": _commit(HERE),
         "model": DEFAULT_MODEL,
         "output_tokens": args.output_tokens,
+        "prompt_repeats": args.prompt_repeats,
         "rounds_tok_s": {side: {str(c): v for c, v in by_c.items()} for side, by_c in rounds.items()},
         "after_over_before": ratios,
     }
