@@ -41,8 +41,9 @@ PROMPT = "Call the read_file tool on notes.txt, then tell me the secret word in 
 # cost 6.3 ms at 1.5k and 14.2 ms at 16k; on a 2-core Intel Xeon (AVX-512) 6.4 ms at 1.5k and
 # over 27 ms at 16k, so one short prompt cannot say how long the long one takes. Even the fit
 # falls short where the caches give out past the longer probe: on that Intel Xeon, 4.2 ms a token
-# at 1.5k and 6.6 ms at 3.9k forecast 300 s, and the 16k prefill took over 7 minutes. On the AMD
-# (costs linear in the length) the forecast is about its 229 s. The limit sits between the two;
+# at 1.5k and 6.6 ms at 3.9k forecast 300 s, and the 16k prefill took over 7 minutes. On the AMD,
+# whose costs at 1.5k and 16k lie on one line, the fit should forecast about its measured 229 s
+# (expected from those two costs; not yet timed with this fit). The limit sits between the two;
 # past it the test is skipped, saying the forecast. On the AMD the whole run took about 4
 # minutes; with a busy loop and other tests beside the suite, the first prefill outlasted the
 # CLI's eight minutes.
