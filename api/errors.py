@@ -79,6 +79,9 @@ def translation_error(exc: ValueError, param: str) -> RelayError:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RelayError)
     async def _relay_error(request: Request, exc: RelayError) -> JSONResponse:
+        if exc.kind is ErrorKind.REDIS_UNAVAILABLE and exc.__cause__ is not None:
+            # The client hears "try again shortly"; the operator needs what Redis said.
+            logger.warning("%s %s: 503, Redis: %r", request.method, request.url.path, exc.__cause__)
         return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)

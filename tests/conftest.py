@@ -8,7 +8,7 @@ its keys."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +51,30 @@ os.environ.setdefault("RELAYLM_COMPILE_DECODE", "off")
 
 # The session's cluster, under --redis-cluster.
 _cluster: ClusterNodes | None = None
+
+
+# A failing test that ran a stack shows what its processes warned of (the logs themselves are
+# left in the test's temporary directory, which CI does not keep).
+_FAILURE_LOG_LINES = 40
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.failed and call.when == "call":
+        funcargs = getattr(item, "funcargs", {})
+        for stack in (value for value in funcargs.values() if isinstance(value, Stack)):
+            for process in [*([stack.api] if stack.api else []), *stack.workers]:
+                try:
+                    log = process.log()
+                except OSError:
+                    continue
+                lines = [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line]
+                if lines:
+                    report.sections.append((f"{process.role} warnings", "\n".join(lines[-_FAILURE_LOG_LINES:])))
+    return report
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

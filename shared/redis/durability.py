@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -11,6 +12,7 @@ from typing import Any
 from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.sentinel import MasterNotFoundError
 
 from shared.redis.following import FollowingPool
 
@@ -72,7 +74,17 @@ class ReplicaAck:
         pool = redis.connection_pool
         if not isinstance(pool, FollowingPool):
             return
-        await pool.primary()  # the pool's connections to any other server are closed before use
+        # A moment's doubt (a sentinel slow to answer, or not yet told of a failover) is waited
+        # out: refusing then would fail a write the primary holds.
+        deadline = time.monotonic() + _DOUBT_WAIT_S
+        while True:
+            try:
+                await pool.primary()  # the pool's connections to any other server are closed before use
+                break
+            except MasterNotFoundError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(_DOUBT_RETRY_S)
         if not await redis.exists(marker):
             raise redis_errors.ConnectionError(f"{what} was written to a former primary; not accepted")
 
@@ -91,4 +103,7 @@ class ReplicaAck:
 
 
 _MARKER_TTL_MS = 60_000
+# How long a write no replica acknowledged waits for the sentinels to agree on the primary.
+_DOUBT_WAIT_S = 2.0
+_DOUBT_RETRY_S = 0.1
 NO_REPLICA_ACK = ReplicaAck(0)
