@@ -37,18 +37,18 @@ _LATENCY_BUCKETS_S = (
 _ITL_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
-class DeploymentCounter(Collector):
-    """A counter kept in Redis for the whole deployment (every API process reports the same
-    value), copied in on each scrape."""
+class ReportedCounter(Collector):
+    """A counter kept outside this process (in Redis for the whole deployment, or in each
+    worker's heartbeat), copied in on each scrape: ``values`` by label values."""
 
-    def __init__(self, name: str, documentation: str, label: str) -> None:
-        self._name, self._documentation, self._label = name, documentation, label
-        self.values: dict[str, int] = {}
+    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+        self._name, self._documentation, self._labels = name, documentation, labels
+        self.values: dict[tuple[str, ...], float] = {}
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
-        for value_label, value in sorted(self.values.items()):
-            family.add_metric([value_label], value)
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labels)
+        for label_values, value in sorted(self.values.items()):
+            family.add_metric(list(label_values), value)
         yield family
 
 
@@ -126,11 +126,11 @@ class Metrics:
             ["model", "lane"],
             registry=r,
         )
-        self.placement_spills = DeploymentCounter(
+        self.placement_spills = ReportedCounter(
             "relaylm:placements_spilled",
             "Chat jobs claimed by a worker other than the one they were placed on: the placement window ended, or "
             "that worker was gone, draining or full (deployment-wide: every API process reports the same count)",
-            "model",
+            ["model"],
         )
         r.register(self.placement_spills)
         self.queued_prefill = Gauge(
@@ -170,6 +170,23 @@ class Metrics:
         )
         self.vision_encode_seconds = Gauge(
             "relaylm:vision_encode_seconds", "Time a worker's vision tower spent encoding", worker_labels, registry=r
+        )
+        # Speculation, under vLLM's names: tokens drafted and drafted tokens kept, per worker since it started.
+        self.spec_draft_tokens = ReportedCounter(
+            "relaylm:spec_decode_num_draft_tokens", "Tokens a worker drafted (n-gram speculation)", worker_labels
+        )
+        r.register(self.spec_draft_tokens)
+        self.spec_accepted_tokens = ReportedCounter(
+            "relaylm:spec_decode_num_accepted_tokens",
+            "Drafted tokens a worker kept: each was the token sampled at its position",
+            worker_labels,
+        )
+        r.register(self.spec_accepted_tokens)
+        self.spec_acceptance_rate = Gauge(
+            "relaylm:spec_decode_draft_acceptance_rate",
+            "Share of a worker's drafted tokens it kept, since it started",
+            worker_labels,
+            registry=r,
         )
 
     def render(self) -> bytes:

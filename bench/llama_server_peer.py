@@ -34,15 +34,18 @@ def find_llama_server() -> Path | None:
 
 
 @contextlib.contextmanager
-def running_llama_server(binary: Path, gguf: Path, parallel: int, context_per_slot: int, threads: int) -> Iterator[str]:
-    """``llama-server`` with ``parallel`` slots of ``context_per_slot`` tokens, on loopback."""
+def running_llama_server(
+    binary: Path, gguf: Path, parallel: int, context_per_slot: int, threads: int, extra_args: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """``llama-server`` with ``parallel`` slots of ``context_per_slot`` tokens, on loopback;
+    ``extra_args``: more of its options (a speculation mode)."""
     port = free_port()
     command = [
         str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
         "-c", str(parallel * context_per_slot), "-t", str(threads), "-tb", str(threads), "--no-webui",
         # Weight repacking puts Q4 weights on ggml's AMX path where the CPU has AMX; on this
         # workplace's Xeon VMs that path segfaults in ggml_backend_amx_mul_mat (build 0c1e570).
-        "--no-repack",
+        "--no-repack", *extra_args,
     ]  # fmt: skip
     log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)  # noqa: SIM115
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -53,6 +53,13 @@ class WorkerInfo(BaseModel):
     images_encoded: int = Field(default=0, description="Images its vision tower encoded since it started.")
     image_cache_hits: int = Field(default=0, description="Images served from its image-embedding cache instead.")
     vision_encode_seconds: float = Field(default=0.0, description="Time its vision tower spent encoding images.")
+    speculative: Literal["ngram", "off"] = Field(
+        default="off", description="How it speculates: ngram (drafts from each sequence's own tokens) or off."
+    )
+    spec_decode_num_draft_tokens: int = Field(default=0, description="Tokens it drafted since it started.")
+    spec_decode_num_accepted_tokens: int = Field(
+        default=0, description="Drafted tokens it kept (each the token sampled at its position) since it started."
+    )
     deterministic: bool = Field(
         default=False,
         description="A request's text depends on the request alone here: exact kernels, and its load-time "

@@ -107,6 +107,16 @@ class WorkerSettings(CommonSettings):
             "--deterministic off only. off: the eager step only."
         ),
     )
+    speculative: Literal["ngram", "off"] = Field(
+        default="ngram",
+        description=(
+            "ngram: a decoding sequence guesses its next tokens from its own prompt and output (an answer that "
+            "quotes or edits its prompt repeats spans of it) and the step verifies the guesses, keeping each "
+            "only where it is the token the sampler picks there: faster where answers repeat, the same text "
+            "byte for byte. With --deterministic on only (and its self-test passed): the library kernels give "
+            "a guess's position other bits than a step of its own, so there it is off. off: one token a step."
+        ),
+    )
     prefix_cache_memory_gib: float = Field(
         default=1.0, ge=0, description="Memory for cached prompt prefixes (reused KV of repeated prompts); 0 = off."
     )

@@ -35,9 +35,13 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory, lifecycl
         metrics.images_encoded,
         metrics.image_cache_hits,
         metrics.vision_encode_seconds,
+        metrics.spec_acceptance_rate,
     ):
         gauge.clear()
-    metrics.placement_spills.values = await lifecycle.placement_spills()
+    spills = await lifecycle.placement_spills()
+    metrics.placement_spills.values = {(model,): count for model, count in spills.items()}
+    drafted: dict[tuple[str, ...], float] = {}
+    accepted: dict[tuple[str, ...], float] = {}
     for record in await directory.model_records():
         workers = await directory.workers(record.model)
         metrics.live_workers.labels(record.model).set(len(workers))
@@ -57,7 +61,15 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory, lifecycl
             metrics.waiting.labels(*labels).set(worker.num_waiting)
             metrics.kv_usage.labels(*labels).set(worker.kv_cache_usage)
             metrics.prefix_hit_rate.labels(*labels).set(worker.prefix_cache_hit_rate)
+            if worker.speculative != "off":
+                drafted[labels] = worker.spec_decode_num_draft_tokens
+                accepted[labels] = worker.spec_decode_num_accepted_tokens
+                if worker.spec_decode_num_draft_tokens:
+                    rate = worker.spec_decode_num_accepted_tokens / worker.spec_decode_num_draft_tokens
+                    metrics.spec_acceptance_rate.labels(*labels).set(rate)
             if worker.vision:
                 metrics.images_encoded.labels(*labels).set(worker.images_encoded)
                 metrics.image_cache_hits.labels(*labels).set(worker.image_cache_hits)
                 metrics.vision_encode_seconds.labels(*labels).set(worker.vision_encode_seconds)
+    metrics.spec_draft_tokens.values = drafted
+    metrics.spec_accepted_tokens.values = accepted

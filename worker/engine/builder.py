@@ -9,11 +9,12 @@ from typing import Literal
 import torch
 
 from worker.engine.detokenizer import Decoder
+from worker.engine.drafter import PromptLookup
 from worker.engine.engine import LLMEngine, OutputSink
 from worker.engine.host_allocator import keep_freed_memory
 from worker.engine.kv_blocks import KVBlockBudget
 from worker.engine.model_runner import ModelRunner
-from worker.engine.plan import ExecutionPlan, KVLayout, resolve_plan
+from worker.engine.plan import ExecutionPlan, KVLayout, Speculation, resolve_plan
 from worker.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from worker.engine.prefixes import NoPrefixes, Prefixes
 from worker.engine.sampling_state import SlotSamplingState
@@ -48,9 +49,13 @@ class EngineConfig:
     # copies cached prefixes into each slot even where they could be held once (`make bench-kv`).
     kv_layout: Literal["auto", "slots"] = "auto"
     share_prefixes: bool = True
+    speculative: Speculation = "off"  # --speculative (the plan keeps it where it cannot change the text)
 
     def plan_for(self, model: torch.nn.Module, device: torch.device, compiled_step: bool = False) -> ExecutionPlan:
-        return resolve_plan(model, device, self.prefix_cache_bytes, self.kv_layout, self.share_prefixes, compiled_step)
+        return resolve_plan(
+            model, device, self.prefix_cache_bytes, self.kv_layout, self.share_prefixes, compiled_step,
+            self.speculative,
+        )  # fmt: skip
 
 
 def build_engine(
@@ -108,7 +113,7 @@ def build_engine(
     )  # fmt: skip
     return LLMEngine(
         runner, scheduler, sampling_state, tokenizer, eos_token_ids, config.max_model_len, sink,
-        exact_sums=plan.is_exact,
+        exact_sums=plan.is_exact, drafter=PromptLookup() if plan.speculation == "ngram" else None,
     )  # fmt: skip
 
 

@@ -22,14 +22,15 @@ import torch
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, EndEvent, ErrorEvent, TokenLogprob, UsageCounts
 from worker.engine.detokenizer import Decoder
+from worker.engine.drafter import Drafter
 from worker.engine.held_prefixes import HeldPrefixes
-from worker.engine.logprobs import token_logprobs
+from worker.engine.logprobs import exact_log_softmax, token_logprobs, torch_log_softmax
 from worker.engine.model_runner import ModelRunner, prefix_of
 from worker.engine.output_processor import OutputProcessor
 from worker.engine.sampler import Sampler
 from worker.engine.sampling_state import SlotSamplingState
 from worker.engine.scheduler import ScheduledStep, Scheduler
-from worker.engine.scheduling_state import SequenceStatus
+from worker.engine.scheduling_state import FinishReason, SequenceStatus
 from worker.engine.sequence import EngineRequest, Sequence
 
 logger = logging.getLogger(__name__)
@@ -77,15 +78,21 @@ class LLMEngine:
         max_model_len: int,
         sink: OutputSink,
         exact_sums: bool = False,
+        drafter: Drafter | None = None,
     ) -> None:
-        """``exact_sums``: the plan's exact numerics (the sampler sums in the kernels' fixed order)."""
+        """``exact_sums``: the plan's exact numerics (the sampler sums in the kernels' fixed order);
+        ``drafter``: where decoding sequences guess their next tokens (None: no speculation)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.sampling_state = sampling_state
         self.sampler = Sampler(sampling_state, eos_token_ids, exact_sums=exact_sums)
+        self._log_softmax = exact_log_softmax if exact_sums else torch_log_softmax
         self.scheduler = scheduler
         self.output_processor = OutputProcessor(eos_token_ids, max_model_len)
         self.max_model_len = max_model_len
+        self.drafter = drafter
+        self.num_draft_tokens = 0  # drafted, and of those kept (verified equal to what was sampled)
+        self.num_accepted_tokens = 0
         self._sink = sink
         self._requests: dict[str, EngineRequest] = {}
         self._early_aborts: OrderedDict[str, _Abort] = OrderedDict()
@@ -179,7 +186,7 @@ class LLMEngine:
             self._sink(outputs)
 
     def step(self) -> None:
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._draft if self.drafter is not None else None)
         self._follow_slots(scheduled)
         if scheduled.is_empty:
             return
@@ -190,10 +197,74 @@ class LLMEngine:
                 self._remember_prefix(chunk.seq, finishing=False)
         if not seqs:
             return
+        # Each sequence's first row, and the drafted chunks' rows (``_run_model``'s order).
+        producing = [chunk for chunk in scheduled.prefill_chunks if chunk.draft or chunk.completes_prompt]
+        first_rows = list(range(len(seqs) - len(producing)))
+        drafted: list[tuple[Sequence, int, tuple[int, ...]]] = []
+        row = len(first_rows)
+        for chunk in producing:
+            first_rows.append(row)
+            if chunk.draft:
+                drafted.append((chunk.seq, row, chunk.draft[1:]))
+            row += chunk.num_logit_rows
+        ended = self._sample(logits[first_rows] if drafted else logits, seqs)
+        if drafted:
+            ended += self._verify(logits, drafted, {id(seq) for seq, _ in ended})
+        self._end_choices(ended)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[Sequence, FinishReason]]:
+        """One token for each of ``seqs`` from its row of ``logits``, handed to the output;
+        returns the choices that ended."""
         slots = torch.tensor([seq.sched.slot for seq in seqs], dtype=torch.long, device=logits.device)
         token_ids = self.sampler.sample(logits, slots, seqs).tolist()
-        logprobs = token_logprobs(logits, token_ids, seqs, self._token_text)
-        self._postprocess(seqs, token_ids, logprobs)
+        logprobs = token_logprobs(logits, token_ids, seqs, self._token_text, self._log_softmax)
+        return self._postprocess(seqs, token_ids, logprobs)
+
+    def _verify(
+        self, logits: torch.Tensor, drafted: list[tuple[Sequence, int, tuple[int, ...]]], ended_ids: set[int]
+    ) -> list[tuple[Sequence, FinishReason]]:
+        """Drafted tokens, position by position: where the token just sampled equals the one
+        drafted there, the next position's logits (computed with that token as input) are exactly
+        what the next step would compute, so the next token is sampled from them, with the
+        sampling state (grammar, penalties, the seeded draw of that position) already moved on by
+        the token before. The first token sampled that differs from the draft, or that ends the
+        choice, ends its verification: the text is what decoding one token a step gives."""
+        num_accepted = dict.fromkeys((id(seq) for seq, _, _ in drafted), 0)
+        ended: list[tuple[Sequence, FinishReason]] = []
+        verifying = drafted
+        for position in range(1, 1 + max(len(draft) for _, _, draft in drafted)):
+            # Once a sequence sampled other than its draft, it is done for the step, even where a
+            # later drafted token happens to equal its last one.
+            verifying = [
+                (seq, first_row, draft)
+                for seq, first_row, draft in verifying
+                if position <= len(draft) and id(seq) not in ended_ids and seq.last_token_id == draft[position - 1]
+            ]
+            if not verifying:
+                break
+            for seq, _, _ in verifying:
+                self.scheduler.accept_draft_token(seq)
+                num_accepted[id(seq)] += 1
+            rows = [first_row + position for _, first_row, _ in verifying]
+            now_ended = self._sample(logits[rows], [seq for seq, _, _ in verifying])
+            ended_ids.update(id(seq) for seq, _ in now_ended)
+            ended += now_ended
+        for seq, _, draft in drafted:
+            seq.draft.record(len(draft), num_accepted[id(seq)])
+            self.num_draft_tokens += len(draft)
+            self.num_accepted_tokens += num_accepted[id(seq)]
+        return ended
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """What ``seq`` may guess this step: nothing past its last possible token, for a prompt
+        with images (its positions are the model's own), or once it has finished."""
+        assert self.drafter is not None
+        if seq.request.images is not None:
+            return []
+        limit = min(seq.params.max_new_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+        if limit < 1:
+            return []
+        return self.drafter.propose(seq.prompt_token_ids + seq.output_token_ids, seq.draft, limit)
 
     def _follow_slots(self, scheduled: ScheduledStep) -> None:
         """The sampling state follows the scheduler's slots: moved sequences, then admitted ones."""
@@ -204,8 +275,9 @@ class LLMEngine:
             self.sampling_state.assign(seq.sched.slot, seq.params, seq.prompt_token_ids, seq.output_token_ids)
 
     def _run_model(self, scheduled: ScheduledStep) -> torch.Tensor:
-        """Decode every running row (prefilling rows ride along as padding), then prefill chunks;
-        the logits of the rows that produce a token, in ``Scheduler.complete_step``'s order."""
+        """Decode every running row (prefilling and drafting rows ride along as padding), then
+        prefill and drafted chunks; the logits of the rows that produce a token, in
+        ``Scheduler.complete_step``'s order, a drafted chunk's rows one after the other."""
         parts: list[torch.Tensor] = []
         decoding = scheduled.decoding
         if decoding:
@@ -221,24 +293,41 @@ class LLMEngine:
         if scheduled.prefill_chunks:
             chunks = scheduled.prefill_chunks
             logits = self.runner.prefill(chunks)
-            parts.append(logits[[row for row, chunk in enumerate(chunks) if chunk.completes_prompt]])
+            rows: list[int] = []
+            row = 0
+            for chunk in chunks:
+                if chunk.draft or chunk.completes_prompt:
+                    rows.extend(range(row, row + chunk.num_logit_rows))
+                row += chunk.num_logit_rows
+            parts.append(logits[rows])
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def _postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprob | None]) -> None:
+    def _postprocess(
+        self, seqs: list[Sequence], token_ids: list[int], logprobs: list[TokenLogprob | None]
+    ) -> list[tuple[Sequence, FinishReason]]:
+        """Each token to its choice's output; returns the choices it ended (``_end_choices``)."""
+        ended = []
         for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
             delta, finish_reason = self.output_processor.process(seq, token_id, logprob)
             if delta is None:
                 continue
-            request = seq.request
-            self._emit(request.request_id, delta)
+            self._emit(seq.request.request_id, delta)
             if finish_reason is not None:
-                self._remember_prefix(seq, finishing=True)
-                self.scheduler.finish(seq, finish_reason)
-                request.num_finished += 1
-                if request.is_finished:
-                    self._emit(request.request_id, self._end_event(request), is_done=True)
-                    if self._requests.get(request.request_id) is request:
-                        self._forget(request)
+                ended.append((seq, finish_reason))
+        return ended
+
+    def _end_choices(self, ended: list[tuple[Sequence, FinishReason]]) -> None:
+        """Choices that ended this step leave the batch, once every token of the step is sampled:
+        a slot freed earlier would move another sequence, and its sampling state, mid-step."""
+        for seq, finish_reason in ended:
+            request = seq.request
+            self._remember_prefix(seq, finishing=True)
+            self.scheduler.finish(seq, finish_reason)
+            request.num_finished += 1
+            if request.is_finished:
+                self._emit(request.request_id, self._end_event(request), is_done=True)
+                if self._requests.get(request.request_id) is request:
+                    self._forget(request)
 
     @staticmethod
     def _end_event(request: EngineRequest) -> EndEvent:

@@ -127,13 +127,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, chunks: Seq[PrefillChunk]) -> torch.Tensor:
-        """Compute prompt chunks into their slots; returns fp32 logits of each row's last chunk token."""
+        """Compute chunks into their slots; returns fp32 logits of each chunk's last token, or of
+        every token of a drafted chunk (``PrefillChunk.num_logit_rows``), in chunk order."""
         device = self.device
         query_len = max(chunk.length for chunk in chunks)
         token_rows, lengths = [], []
         for chunk in chunks:
-            tokens = chunk.seq.sched.prefill_token_ids[chunk.start : chunk.start + chunk.length]
-            token_rows.append(tokens + [0] * (query_len - chunk.length))
+            token_rows.append(chunk.token_ids + [0] * (query_len - chunk.length))
             lengths.append(chunk.length)
         slots = torch.tensor([chunk.seq.sched.slot for chunk in chunks], dtype=torch.long, device=device)
         starts = torch.tensor([chunk.start for chunk in chunks], dtype=torch.long, device=device)
@@ -156,8 +156,10 @@ class ModelRunner:
         embeds, deepstack = self._with_images(input_ids, chunks)
         rope = self._multimodal_positions(positions, chunks)
         hidden = self.forward.hidden_states(input_ids, positions, mask, self.cache, embeds, rope, deepstack)
-        last = hidden[torch.arange(len(chunks), device=device), length_t - 1]
-        return self._logits(last)
+        rows = [row for row, chunk in enumerate(chunks) for _ in range(chunk.num_logit_rows)]
+        offsets_out = [chunk.length - chunk.num_logit_rows + i for chunk in chunks for i in range(chunk.num_logit_rows)]
+        picked = hidden[torch.tensor(rows, device=device), torch.tensor(offsets_out, device=device)]
+        return self._logits(picked)
 
     def _with_images(
         self, input_ids: torch.Tensor, chunks: Seq[PrefillChunk]

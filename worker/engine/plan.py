@@ -23,6 +23,7 @@ Forward = Literal["native", "transformers"]
 Numerics = Literal["exact", "library"]
 KVLayout = Literal["tokens", "slots"]
 PrefixPolicy = Literal["shared", "copy", "off"]
+Speculation = Literal["ngram", "off"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class ExecutionPlan:
     kv_layout: KVLayout  # tokens: a slot takes memory for the tokens it holds; slots: full length
     prefix_policy: PrefixPolicy  # shared: held once and read in place; copy: copied into each slot
     compiled_step: bool  # one stream's decode step compiled ahead of time
+    # ngram: decoding sequences draft from their own tokens, verified in the step (drafter.py)
+    speculation: Speculation = "off"
 
     @property
     def is_exact(self) -> bool:
@@ -40,7 +43,8 @@ class ExecutionPlan:
     def describe(self) -> str:
         return (
             f"forward {self.forward}, numerics {self.numerics}, KV held by {self.kv_layout}, "
-            f"prefixes {self.prefix_policy}, compiled step {'on' if self.compiled_step else 'off'}"
+            f"prefixes {self.prefix_policy}, compiled step {'on' if self.compiled_step else 'off'}, "
+            f"speculation {self.speculation}"
         )
 
 
@@ -51,9 +55,13 @@ def resolve_plan(
     kv_layout: Literal["auto", "slots"] = "auto",
     share_prefixes: bool = True,
     compiled_step: bool = False,
+    speculation: Speculation = "off",
 ) -> ExecutionPlan:
     """``compiled_step``: asked for and buildable here (a native CPU model, library numerics,
-    a C++ compiler); the plan refuses it elsewhere."""
+    a C++ compiler); the plan refuses it elsewhere. ``speculation``: asked for; the plan keeps it
+    with the exact numerics only, where a drafted position's logits are bit for bit those of a
+    step of its own, so verification cannot change the text (the library's kernels give a
+    k-row forward other bits than k one-row ones)."""
     native = isinstance(model, NativeCausalLM)
     exact = native and model.deterministic
     layout: KVLayout = "tokens" if kv_layout == "auto" and is_lazily_backed(device) else "slots"
@@ -69,4 +77,5 @@ def resolve_plan(
         kv_layout=layout,
         prefix_policy=prefix,
         compiled_step=compiled_step and native and not exact and device.type == "cpu",
+        speculation=speculation if exact else "off",
     )

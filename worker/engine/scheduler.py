@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -48,16 +48,38 @@ class SlotMove(NamedTuple):
 
 logger = logging.getLogger(__name__)
 
+MAX_DRAFTING = 4
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
+    """``length`` tokens of ``seq`` computed into its slot from position ``start``: prompt
+    tokens, or, with ``draft``, the sequence's last token and the tokens drafted after it (their
+    KV is kept only as far as the engine accepts them)."""
+
     seq: Sequence
     start: int
     length: int
+    draft: tuple[int, ...] = ()
 
     @property
     def completes_prompt(self) -> bool:
-        return self.start + self.length == self.seq.sched.num_prefill_tokens
+        return not self.draft and self.start + self.length == self.seq.sched.num_prefill_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self.draft:
+            return list(self.draft)
+        return self.seq.sched.prefill_token_ids[self.start : self.start + self.length]
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits the step returns for the chunk: every drafted position's, else the last token's."""
+        return self.length if self.draft else 1
+
+
+# Tokens a sequence may draft, given the number it may still produce (the engine decides).
+DraftSource = Callable[[Sequence], list[int]]
 
 
 @dataclass
@@ -74,9 +96,11 @@ class ScheduledStep:
 
     @property
     def decoding(self) -> list[Sequence]:
+        """The rows of the decode forward that produce a token (a drafting row's comes from its chunk)."""
         if self.skip_decode:
             return []
-        return [seq for seq in self.running if seq.sched.status is SequenceStatus.DECODING]
+        drafting = {id(chunk.seq) for chunk in self.prefill_chunks if chunk.draft}
+        return [seq for seq in self.running if seq.sched.status is SequenceStatus.DECODING and id(seq) not in drafting]
 
     @property
     def is_empty(self) -> bool:
@@ -99,6 +123,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # Decode can fill the whole budget at high concurrency; new prompts still get a share.
         self.min_prefill_tokens = max(1, max_num_batched_tokens // 4)
+        # Decoding sequences that may draft in one step: past it, a step's rows keep the cores busy
+        # and drafts would only add rows (``drafter.py``).
+        self.max_drafting = MAX_DRAFTING
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._slot_moves: list[SlotMove] = []
@@ -133,7 +160,9 @@ class Scheduler:
             position -= 1
         self.waiting.insert(position, seq)
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, draft: DraftSource | None = None) -> ScheduledStep:
+        """The next step. ``draft``: where decoding sequences may guess their next tokens (in
+        steps without prompt chunks, up to ``max_drafting`` decoding sequences)."""
         self._make_room_to_decode()
         num_decoding = sum(seq.sched.status is SequenceStatus.DECODING for seq in self.running)
         budget = max(self.max_num_batched_tokens - num_decoding, self.min_prefill_tokens)
@@ -152,6 +181,8 @@ class Scheduler:
                 break
             chunks.append(PrefillChunk(seq, seq.sched.num_computed_tokens, length))
             query_len = max(query_len, length)
+        if draft is not None and not chunks:
+            chunks = self._draft_chunks(draft)
         completes_interactive = any(chunk.completes_prompt and chunk.seq.request.priority == 0 for chunk in chunks)
         skip_decode = completes_interactive and any(seq.request.priority > 0 for seq in self.running)
         self.prefixes.balance(self.running)
@@ -164,17 +195,51 @@ class Scheduler:
     def complete_step(self, step: ScheduledStep) -> list[Sequence]:
         """The model computed ``step``: its decoding rows one token further, its chunks' prompt
         tokens in the cache. Returns the sequences that produce a token now, in the order of the
-        step's logits: the decoding rows, then those whose prompt this step completed."""
+        step's logits: the decoding rows, then, in chunk order, those whose prompt this step
+        completed and those that drafted (one token further, as a decoding row: each drafted
+        token they keep is counted by ``accept_draft_token``)."""
         decoding = step.decoding
         for seq in decoding:
             seq.sched.num_computed_tokens += 1
         completed = []
         for chunk in step.prefill_chunks:
+            if chunk.draft:
+                chunk.seq.sched.num_computed_tokens += 1
+                completed.append(chunk.seq)
+                continue
             chunk.seq.sched.num_computed_tokens += chunk.length
             if chunk.completes_prompt:
                 chunk.seq.sched.status = SequenceStatus.DECODING
                 completed.append(chunk.seq)
         return decoding + completed
+
+    def accept_draft_token(self, seq: Sequence) -> None:
+        """The engine keeps the next drafted token of ``seq``: its KV, computed this step, counts.
+        The KV of the drafted tokens not kept stays where it is, past the computed tokens: never
+        read, and overwritten as the sequence grows into those positions."""
+        seq.sched.num_computed_tokens += 1
+
+    def _draft_chunks(self, draft: DraftSource) -> list[PrefillChunk]:
+        """A chunk per decoding sequence that drafts (its last token, then the drafted ones),
+        where the KV budget has the blocks outside its admission reserve; no preemption for a guess."""
+        decoding = [seq for seq in self.running if seq.sched.status is SequenceStatus.DECODING]
+        if not decoding or len(decoding) > self.max_drafting:
+            return []
+        chunks: list[PrefillChunk] = []
+        for seq in decoding:
+            tokens = draft(seq)
+            if not tokens:
+                continue
+            start = seq.sched.num_computed_tokens
+            length = 1 + len(tokens)
+            if (len(chunks) + 1) * max([length, *(chunk.length for chunk in chunks)]) > self.max_num_batched_tokens:
+                break
+            extra = self.budget.extra_blocks(seq.sched, start + length - seq.prefix.shared_len)
+            if extra and not self.budget.can_take(extra):
+                continue
+            self._grow(seq, start + length)
+            chunks.append(PrefillChunk(seq, start, length, (seq.last_token_id, *tokens)))
+        return chunks
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """``seq`` produced its last token; it leaves the batch."""

@@ -4,7 +4,9 @@ step (forward, sampler, scheduler, prefix cache), not one kernel.
 A few greedy and seeded continuations run alone; then all of them at once with
 prefill chunked, half their prompts already in the prefix cache and half new; then alone again
 at one thread and at every core the worker may use (its host pool changes its thread count while
-it serves). Every run must give every request the same tokens. The prompts are fixed token ids,
+it serves); then all at once again, each drafting its own answer with every third drafted token
+spoiled, so verification keeps whole drafts, parts of them and none (``drafter.py``). Every run
+must give every request the same tokens. The prompts are fixed token ids,
 not text: the numerics are what is tested, and any ids are valid input.
 
 A pass is remembered under ``--cache-dir`` (``PassedSelfTests``), keyed by the weights, the
@@ -20,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +30,7 @@ import torch
 
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.detokenizer import Decoder
+from worker.engine.drafter import DraftState
 from worker.engine.engine import LLMEngine, RequestOutput
 from worker.engine.prefix_cache import BLOCK_SIZE
 from worker.engine.sampling_params import SamplingParams
@@ -55,6 +59,27 @@ class _Done:
 
     def __call__(self, outputs: list[RequestOutput]) -> None:
         self.ids.update(output.request_id for output in outputs if output.is_done)
+
+
+class _SpoiledAnswers:
+    """Drafts the answer a sequence gave alone (its prompt and output so far pick it), every
+    third drafted token replaced by another."""
+
+    def __init__(self, prompts: list[list[int]], answers: list[list[int]], vocab: int) -> None:
+        self._answers = [(prompt, answer) for prompt, answer in zip(prompts, answers, strict=True)]
+        self._vocab = vocab
+
+    def propose(self, tokens: Seq[int], state: DraftState, limit: int) -> list[int]:
+        for prompt, answer in self._answers:
+            done = len(tokens) - len(prompt)
+            if (
+                0 <= done < len(answer)
+                and list(tokens[: len(prompt)]) == prompt
+                and list(tokens[len(prompt) :]) == answer[:done]
+            ):
+                draft = answer[done : done + min(limit, 4)]
+                return [(token + 1) % self._vocab if (done + i) % 3 == 2 else token for i, token in enumerate(draft)]
+        return []
 
 
 def _requests(prompts: list[list[int]], tag: str) -> list[EngineRequest]:
@@ -98,13 +123,14 @@ def check_determinism(
     prompts = [torch.randint(min(100, vocab - 1), vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
     cached = [prompt + torch.randint(0, vocab, (BLOCK_SIZE,), generator=generator).tolist() for prompt in prompts]
 
-    def engine(step_tokens: int, prefix_cache: bool) -> tuple[LLMEngine, _Done]:
+    def engine(step_tokens: int, prefix_cache: bool, speculative: bool = False) -> tuple[LLMEngine, _Done]:
         config = EngineConfig(
             max_num_seqs=16,
             max_num_batched_tokens=step_tokens,
             max_model_len=MAX_LEN,
             kv_cache_bytes=18 * layout.bytes_per_token * MAX_LEN,
             prefix_cache_bytes=(64 * BLOCK_SIZE * layout.bytes_per_token) if prefix_cache else 0,
+            speculative="ngram" if speculative else "off",
         )
         done = _Done()
         return build_engine(model, tokenizer, config, eos_token_ids, done), done
@@ -124,10 +150,19 @@ def check_determinism(
             again = _run(alone_engine, alone_done, ([r] for r in _requests(prompts + cached, f"t{count}")))
             if again != alone:
                 return _result(False, started, f"alone at {count} threads (against {threads})", again, alone)
+        drafting_engine, drafting_done = engine(48, prefix_cache=False, speculative=True)
+        requests = _requests(prompts + cached, "drafting")
+        drafting_engine.drafter = _SpoiledAnswers([r.prompts[0] for r in requests], alone, vocab)
+        drafting_engine.scheduler.max_drafting = len(requests)  # every decoding row drafts
+        drafted = _run(drafting_engine, drafting_done, [requests])
+        if drafted != alone:
+            return _result(False, started, "all at once, verifying drafts", drafted, alone)
     finally:
         torch.set_num_threads(threads)
     return _result(
-        True, started, f"{len(alone)} requests alone, together and at threads {sorted(set(thread_counts) | {threads})}"
+        True,
+        started,
+        f"{len(alone)} requests alone, together, drafting and at threads {sorted(set(thread_counts) | {threads})}",
     )
 
 

@@ -1,7 +1,7 @@
 """A request inside the engine, and its choices: each a ``Sequence`` whose tokens every concern
 reads, and beside them one state object per concern, defined next to nothing but its own data
 (``sched``: scheduler.py, ``prefix``: shared_prefix.py, ``output``: output_processor.py,
-``sampling``: sampler.py), so the concern that changes a field is the one its object names."""
+``sampling``: sampler.py, ``draft``: drafter.py), so the concern that changes a field is the one its object names."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from shared.events import StartEvent
 from worker.engine.detokenizer import Decoder
+from worker.engine.drafter import DraftState
 from worker.engine.output_state import OutputState
 from worker.engine.prefix_state import PrefixLink
 from worker.engine.prompt_images import PromptImages
@@ -95,6 +96,7 @@ class Sequence:
         self.prefix = PrefixLink()  # shared_prefix.py: the prefix slots it reads and extends
         self.output = OutputState(self.params, tokenizer, request.make_pipeline)  # output_processor.py
         self.sampling = SequenceSampling(self.params, index, request.constraint)  # sampler.py
+        self.draft = DraftState()  # drafter.py: its guesses at the tokens to come, and how they fared
 
     @property
     def num_prompt_tokens(self) -> int:

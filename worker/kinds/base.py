@@ -121,6 +121,7 @@ class Readiness:
     source: str  # where the weights came from, for the log
     compile_probe: Callable[[], str] | None = None
     vision_probe: Callable[[], tuple[int, int, float]] | None = None
+    speculation_probe: Callable[[], tuple[int, int]] | None = None  # tokens drafted, drafted tokens kept
     # Where placement keys go that the engine holds no more (prefix keys and the claim time that
     # named each last), called on the engine thread; None for a kind that holds none.
     follow_released_keys: Callable[[Callable[[list[tuple[str, int]]], None]], None] | None = None

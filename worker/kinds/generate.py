@@ -139,6 +139,7 @@ class GenerateKind:
             max_model_len=loaded.max_model_len,
             kv_cache_bytes=int(s.kv_cache_memory_gib * 2**30),
             prefix_cache_bytes=int(s.prefix_cache_memory_gib * 2**30),
+            speculative=s.speculative,
         )
         plan = config.plan_for(loaded.model, device, compiled_step=self._wants_compiled_step())
         logger.info("execution plan: %s", plan.describe())
@@ -147,6 +148,11 @@ class GenerateKind:
         )
         if plan.is_exact:
             self._test_determinism(loaded)
+            if not self._deterministic and engine.drafter is not None:
+                logger.warning("speculation is off: it keeps the text only where the self-test passes")
+                engine.drafter = None
+        elif s.speculative == "ngram":
+            logger.info("--deterministic off: speculation is off (it could change the text there)")
         if plan.compiled_step:
             self._compile_decode(loaded, engine)
         return engine
@@ -167,11 +173,13 @@ class GenerateKind:
         def follow_released_keys(released: KeysReleased) -> None:
             engine.on_keys_released = released
 
+        info.speculative = "ngram" if engine.drafter is not None else "off"
         readiness = Readiness(
             loaded.max_model_len,
             loaded.source,
             compile_probe=(lambda: compiled.state.value) if compiled is not None else None,
             follow_released_keys=follow_released_keys,
+            speculation_probe=lambda: (engine.num_draft_tokens, engine.num_accepted_tokens),
         )
         if loaded.vision is None:
             return readiness

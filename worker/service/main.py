@@ -124,6 +124,8 @@ class WorkerProcess:
             self.registration.compile_probe = readiness.compile_probe
         if readiness.vision_probe is not None:
             self.registration.vision_probe = readiness.vision_probe
+        if readiness.speculation_probe is not None:
+            self.registration.speculation_probe = readiness.speculation_probe
         if readiness.follow_released_keys is not None:
             readiness.follow_released_keys(self._keys_released(asyncio.get_running_loop()))
         self.registration.set_ready(engine.max_running, readiness.max_input_len, engine.load)

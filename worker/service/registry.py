@@ -59,6 +59,7 @@ class WorkerRegistration:
         self.jobs_probe: Callable[[], int] = lambda: 0  # jobs the queue consumers hold
         self.compile_probe: Callable[[], str] = lambda: "off"  # the compiled decode step's state
         self.vision_probe: Callable[[], tuple[int, int, float]] = lambda: (0, 0, 0.0)  # encoded, cache hits, seconds
+        self.speculation_probe: Callable[[], tuple[int, int]] = lambda: (0, 0)  # drafted, accepted
         self._task: asyncio.Task[None] | None = None
 
     def set_ready(self, max_num_seqs: int, max_model_len: int, load_probe: LoadProbe) -> None:
@@ -91,6 +92,7 @@ class WorkerRegistration:
         info.num_jobs = self.jobs_probe()
         info.compiled_decode = self.compile_probe()
         info.images_encoded, info.image_cache_hits, info.vision_encode_seconds = self.vision_probe()
+        info.spec_decode_num_draft_tokens, info.spec_decode_num_accepted_tokens = self.speculation_probe()
         is_ready = info.state == "ready"
         record = await self._model_record(now) if is_ready else self._first_record(now)
         async with self._redis.pipeline(transaction=False) as pipe:
