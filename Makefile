@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 TEST_PROCESSES ?= 2
 CLUSTER_SUITES := tests/e2e/test_chat_openai_client.py tests/e2e/test_batches.py tests/e2e/test_responses_api.py
 
-.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-worker-start bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
+.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-speculative bench-worker-start bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -76,6 +76,10 @@ bench-load: $(BENCH_INSTALLED)
 ## Interactive TTFT while a large batch runs (~3 min): bench/results/batch_priority.json.
 bench-batch: $(BENCH_INSTALLED)
 	$(PY) -m bench.batch_priority_bench $(ARGS)
+
+## Speculation on one stream (~8 min with llama-server built): relaylm --speculative ngram and off, llama-server plain and with each n-gram mode, on a file edit and on prose; the text of each against its plain run; bench/results/speculative.json (MODEL=qwen2.5-coder-0.5b-instruct for that one).
+bench-speculative: $(BENCH_INSTALLED)
+	$(PY) -m bench.speculative_bench $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
 ## Placement by prefix (~5 min): agent-like conversations over one worker and two (each on a core of its own), the claim's placement off and on; bench/results/placement.json.
 bench-placement: $(BENCH_INSTALLED)

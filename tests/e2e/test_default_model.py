@@ -109,3 +109,4 @@ def test_a_killed_workers_stream_continues_byte_identical(
             cut_short.append(default_stack.job_state(chunk.id) in ("running", "queued"))  # a dead worker ends nothing
     assert cut_short == [True], "the job ended before the kill"
     assert "".join(received) == expected
+    assert default_stack.metric("relaylm:spec_decode_num_draft_tokens_total") > 0  # the workers speculated

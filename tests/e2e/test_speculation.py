@@ -8,13 +8,11 @@ is what n-gram drafts feed on."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.conftest import make_stack
@@ -102,11 +100,6 @@ def _answer(stack: Stack, body: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
-def _metric(stack: Stack, name: str) -> float:
-    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
-    return sum(float(value) for value in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
-
-
 @pytest.mark.parametrize("kind", list(REQUESTS))
 def test_the_answer_is_the_same_with_and_without_speculation(stacks: dict[str, Stack], kind: str) -> None:
     body = REQUESTS[kind]
@@ -128,8 +121,8 @@ def test_stop_strings_and_a_mixed_batch_at_once_are_the_same(stacks: dict[str, S
 
 def test_the_speculating_worker_drafts_and_keeps_drafts_and_the_other_does_not(stacks: dict[str, Stack]) -> None:
     _answer(stacks["ngram"], REQUESTS["greedy"])
-    drafted = _metric(stacks["ngram"], "relaylm:spec_decode_num_draft_tokens_total")
-    accepted = _metric(stacks["ngram"], "relaylm:spec_decode_num_accepted_tokens_total")
+    drafted = stacks["ngram"].metric("relaylm:spec_decode_num_draft_tokens_total")
+    accepted = stacks["ngram"].metric("relaylm:spec_decode_num_accepted_tokens_total")
     assert drafted > 0 and 0 < accepted <= drafted
-    assert 0 < _metric(stacks["ngram"], "relaylm:spec_decode_draft_acceptance_rate") <= 1
-    assert _metric(stacks["off"], "relaylm:spec_decode_num_draft_tokens_total") == 0
+    assert 0 < stacks["ngram"].metric("relaylm:spec_decode_draft_acceptance_rate") <= 1
+    assert stacks["off"].metric("relaylm:spec_decode_num_draft_tokens_total") == 0

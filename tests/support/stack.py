@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -211,8 +212,15 @@ class Stack:
         owner = self.job_owner(job_id)
         return next(w for i, w in enumerate(self.workers) if owner == f"{self.key_prefix}-worker{i}")
 
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus series' samples in the API's ``/metrics`` (every label set)."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$"
+        return sum(float(value) for value in re.findall(pattern, text, re.MULTILINE))
+
     def client(self, **kwargs: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kwargs)  # type: ignore[arg-type]
+        options: dict[str, object] = {"max_retries": 0, **kwargs}
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", **options)  # type: ignore[arg-type]
 
     def stop(self) -> None:
         for process in [*self.workers, *([self.api] if self.api else [])]:
