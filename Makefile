@@ -77,7 +77,7 @@ bench-load: $(BENCH_INSTALLED)
 bench-batch: $(BENCH_INSTALLED)
 	$(PY) -m bench.batch_priority_bench $(ARGS)
 
-## Speculation on one stream (~8 min with llama-server built): relaylm --speculative ngram and off, llama-server plain and with each n-gram mode, on a file edit and on prose; the text of each against its plain run; bench/results/speculative.json (MODEL=qwen2.5-coder-0.5b-instruct for that one).
+## Speculation on one stream (~4 min with llama-server built): relaylm --speculative ngram and off, llama-server plain and with each n-gram mode, on a file edit and on prose; the text of each against its plain run; bench/results/speculative.json (MODEL=qwen2.5-coder-0.5b-instruct for that one).
 bench-speculative: $(BENCH_INSTALLED)
 	$(PY) -m bench.speculative_bench $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
