@@ -189,5 +189,33 @@ class Metrics:
             registry=r,
         )
 
+        # The fair share, per queue and tenant (the keyed hash of its API key; `default` without keys).
+        tenant_labels = ["model", "lane", "tenant"]
+        self.tenant_queued = Gauge(
+            "relaylm:tenant_queued_jobs", "Jobs a tenant has queued, not yet claimed", tenant_labels, registry=r
+        )
+        self.tenant_running = Gauge(
+            "relaylm:tenant_running_jobs", "Jobs of a tenant that workers are running", tenant_labels, registry=r
+        )
+        self.tenant_served = ReportedCounter(
+            "relaylm:tenant_served_tokens",
+            "Prompt and output tokens served to a tenant's jobs (deployment-wide, since Redis last lost its data)",
+            tenant_labels,
+        )
+        r.register(self.tenant_served)
+        self.tenant_rank = Gauge(
+            "relaylm:tenant_fair_share_rank",
+            "A waiting tenant's place by service: 0 has the least and is served next (within a priority band)",
+            tenant_labels,
+            registry=r,
+        )
+        self.tenant_lead = Gauge(
+            "relaylm:tenant_service_lead",
+            "A waiting tenant's service above the least served waiting tenant's, in tokens weighted by cost (an "
+            "output token counts 2, a prompt token 1) and divided by its key's weight",
+            tenant_labels,
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

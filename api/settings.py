@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network, ip_network
 from pathlib import Path
 from typing import Literal
@@ -11,11 +12,45 @@ from pydantic import Field, field_validator
 from shared.settings import CommonSettings
 
 
+@dataclass(frozen=True)
+class ApiKey:
+    """A key a client may use, and its terms in the fair share (``shared.fair_share``)."""
+
+    key: str
+    weight: float = 1.0
+    ranks_across_tenants: bool = False
+
+    @classmethod
+    def parse(cls, line: str, where: str) -> ApiKey:
+        """``<key> [weight=W] [priority=global]``."""
+        key, *options = line.split()
+        weight, ranks = 1.0, False
+        for option in options:
+            name, _, value = option.partition("=")
+            if name == "weight":
+                try:
+                    weight = float(value)
+                except ValueError:
+                    weight = 0.0
+                if not 0.01 <= weight <= 1000:
+                    raise ValueError(f"{where}: weight must be a number from 0.01 to 1000, not {value!r}")
+            elif option == "priority=global":
+                ranks = True
+            else:
+                raise ValueError(f"{where}: unknown key option {option!r} (weight=W or priority=global)")
+        return cls(key, weight, ranks)
+
+
 class ApiSettings(CommonSettings):
     host: str = Field(default="127.0.0.1", description="Interface to listen on (0.0.0.0 for all).")
     port: int = Field(default=8000, ge=1, le=65535, description="HTTP port.")
     liveness_check_interval_s: float = Field(
         default=1.0, gt=0, description="While a job is silent this long, check that its worker still lives."
+    )
+    fair_share: bool = Field(
+        default=True,
+        description="Serve each queue's waiting jobs by fair share between API keys (the key with the least weighted "
+        "tokens served goes next); off: first come, first served (by priority).",
     )
     placement_window_s: float = Field(
         default=2.0,
@@ -50,7 +85,12 @@ class ApiSettings(CommonSettings):
     api_keys: str | None = Field(
         default=None, description="Comma-separated API keys; when any is set, every route but /health needs one."
     )
-    api_key_file: Path | None = Field(default=None, description="File with one API key per line (# comments allowed).")
+    api_key_file: Path | None = Field(
+        default=None,
+        description="File with one API key per line (# comments allowed), each optionally followed by `weight=W` (its "
+        "share of the engine against other keys', default 1) and `priority=global` (its requests' `priority` ranks "
+        "them before other keys' fair share).",
+    )
     admin_api_keys: str | None = Field(
         default=None,
         description="Comma-separated admin keys: they see and manage every key's files, batches and jobs.",
@@ -181,14 +221,15 @@ class ApiSettings(CommonSettings):
     def load_admin_api_keys(self) -> list[str]:
         return [key.strip() for key in (self.admin_api_keys or "").split(",") if key.strip()]
 
-    def load_api_keys(self) -> list[str]:
-        """Keys from --api-keys and --api-key-file, read once at start-up."""
-        keys = [key.strip() for key in (self.api_keys or "").split(",") if key.strip()]
+    def load_api_keys(self) -> list[ApiKey]:
+        """Keys from --api-keys and --api-key-file, read once at start-up; ValueError for a key
+        file line it cannot read."""
+        keys = [ApiKey(key.strip()) for key in (self.api_keys or "").split(",") if key.strip()]
         if self.api_key_file is not None:
-            for line in self.api_key_file.read_text().splitlines():
+            for number, line in enumerate(self.api_key_file.read_text().splitlines(), start=1):
                 line = line.strip()
                 if line and not line.startswith("#"):
-                    keys.append(line)
+                    keys.append(ApiKey.parse(line, f"{self.api_key_file}:{number}"))
         return keys
 
     @property

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.requests import Request
 
+from api.settings import ApiKey
 from shared.errors import ErrorKind, RelayError
 from shared.redis_keys import RedisKeys
 from shared.redis_replies import as_bytes
@@ -40,6 +41,8 @@ return ARGV[1]
 class Tenant:
     owner: str | None  # None: the server has no keys (one user)
     is_admin: bool
+    weight: float = 1.0  # its share of the engine against other keys' (shared.fair_share)
+    ranks_across_tenants: bool = False  # its requests' priority ranks them before other keys' shares
 
     def can_see(self, owner: str | None) -> bool:
         return self.is_admin or owner == self.owner
@@ -59,9 +62,13 @@ class KeyRing:
     every API process shares (so a key's objects are found from any of them), never the key."""
 
     def __init__(
-        self, api_keys: list[str], admin_keys: list[str], redis: Redis, keys: RedisKeys, secret: str | None
+        self, api_keys: list[ApiKey], admin_keys: list[str], redis: Redis, keys: RedisKeys, secret: str | None
     ) -> None:
-        self._entries = [(key.encode(), False) for key in api_keys] + [(key.encode(), True) for key in admin_keys]
+        admins = [ApiKey(key) for key in admin_keys]
+        self._entries = [(entry.key.encode(), False) for entry in api_keys] + [
+            (entry.key.encode(), True) for entry in admins
+        ]
+        self._terms = {entry.key.encode(): entry for entry in [*api_keys, *admins]}
         self._redis = redis
         self._keys = keys
         self._configured_secret = secret.encode() if secret else None
@@ -84,7 +91,8 @@ class KeyRing:
     async def tenant(self, key: bytes, is_admin: bool) -> Tenant:
         secret = await self._secret()
         owner = hmac.new(secret, key, hashlib.sha256).hexdigest()[:_OWNER_ID_CHARS]
-        return Tenant(owner=owner, is_admin=is_admin)
+        terms = self._terms[key]
+        return Tenant(owner, is_admin, terms.weight, terms.ranks_across_tenants)
 
     async def _secret(self) -> bytes:
         if self._configured_secret is not None:

@@ -33,6 +33,7 @@ import redis as sync_redis
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from shared import fair_share
 from shared.errors import ErrorKind
 from shared.events import AnyEvent, ErrorEvent, encode_event
 from shared.redis import NO_REPLICA_ACK, ReplicaAck
@@ -69,8 +70,9 @@ class JobState(StrEnum):
 # ('' for none), the tenant's limit (0: none; its jobs are counted only when it has one), the
 # API's delivery options ('' for none), the job's prefix keys (space-separated, shortest first),
 # the placement window (ms; 0: none), the worker records' key prefix, the balance slack (jobs),
-# the job's prompt tokens (an estimate, for the queued-prefill gauge).
-# Returns {1, preferred
+# the job's prompt tokens (an estimate, for the queued-prefill gauge), its fair-share tenant
+# (``shared.fair_share``), its score in that tenant's queue, its priority band, its key's weight,
+# its priority's base score (where it goes back to when handed back). Returns {1, preferred
 # worker or ''}, 0 (queue full), -1 (id taken) or -2 (the tenant has its limit of open jobs).
 #
 # Placement: among the model's live workers that take requests, those that hold the job's longest held key past its
@@ -134,9 +136,12 @@ end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'request', ARGV[2], 'model', ARGV[3], 'queue', ARGV[4],
     'wake', ARGV[7], 'epoch', 0, 'attempts', 0, 'next_seq', 0, 'created_ms', ARGV[5], 'updated_ms', ARGV[5],
     'tenant', ARGV[10], 'tenant_jobs', counted, 'delivery', ARGV[12], 'placement', ARGV[13],
-    'preferred', preferred, 'preferred_until', tonumber(ARGV[5]) + window_ms, 'prefill_tokens', ARGV[17])
+    'preferred', preferred, 'preferred_until', tonumber(ARGV[5]) + window_ms, 'prefill_tokens', ARGV[17],
+    'share', ARGV[18], 'band', ARGV[20], 'weight', ARGV[21], 'rank_base', ARGV[22])
 redis.call('EXPIRE', KEYS[1], ARGV[8])
 redis.call('ZADD', KEYS[2], ARGV[6], ARGV[9])
+redis.call('ZADD', KEYS[2] .. ':tenant:' .. ARGV[18], ARGV[19], ARGV[9])
+fair_join(KEYS[2], ARGV[18])
 redis.call('PUBLISH', ARGV[7], '')
 return {1, preferred}
 """
@@ -144,65 +149,118 @@ return {1, preferred}
 # KEYS: queue, queue's running set, all running jobs. ARGV: job key prefix, worker id, worker
 # instance, now (ms), the latest queue score (enqueue time, ms) it may take ('' for any), the
 # worker records' key prefix, how many prefix keys a worker holds at most, their TTL (s), the
-# placement spills' hash (counted per model when a job placed on another worker is taken). Takes
-# the first of the queue's first 64 jobs that is still queued and is this worker's to take (a
-# cancelled one is dropped on the way); returns {id, epoch, attempt, next_seq, payload, prefix
-# keys}, {ms}
-# when a job becomes this worker's to take in that many ms (too recent, or placed on another
-# worker for a while longer), or nil.
+# placement spills' hash (counted per model when a job placed on another worker is taken).
+# Returns {id, epoch, attempt, next_seq, payload, prefix keys}, {ms} when a job becomes this
+# worker's to take in that many ms (too recent, or placed on another worker for a while longer),
+# or nil.
 #
-# A job placed on another worker waits for it until its window ends, unless that worker is
-# gone, draining or full (its heartbeat record says). The taker holds the job's prefix keys
-# from then on (the most recent ones, for its current process).
-_CLAIM = """
+# Which job (``shared.fair_share``): a job handed back by a dying worker first; then the tenants
+# with queued jobs, the one with the least service first (within a priority band), each one's
+# jobs by priority, then age; last, jobs an older API queued without a tenant, in queue order.
+# A cancelled job met on the way is dropped. A job placed on another worker waits for it until
+# its window ends, unless that worker is gone, draining or full (its heartbeat record says). The
+# taker holds the job's prefix keys from then on (the most recent ones, for its current process).
+_CLAIM = f"""
+local queue = KEYS[1]
 local latest = tonumber(ARGV[5])
 local now = tonumber(ARGV[4])
 local ready_in = nil
-local head = redis.call('ZRANGE', KEYS[1], 0, 63, 'WITHSCORES')
-for i = 1, #head, 2 do
-    local id, score = head[i], tonumber(head[i + 1])
-    if latest and score > latest then
-        local wait = score - latest
-        if not ready_in or wait < ready_in then ready_in = wait end
-        break
-    end
-    local job = ARGV[1] .. id
-    local f = redis.call('HMGET', job, 'state', 'preferred', 'preferred_until', 'placement', 'model')
-    if f[1] ~= 'queued' then
-        redis.call('ZREM', KEYS[1], id)
-    else
-        local waits = false
-        if f[2] and f[2] ~= '' and f[2] ~= ARGV[2] and tonumber(f[3]) > now then
-            local raw = redis.call('GET', ARGV[6] .. f[2])
-            if raw then
-                local info = cjson.decode(raw)
-                waits = info['state'] == 'ready' and (info['num_jobs'] or 0) < (info['max_num_seqs'] or 0)
-            end
-        end
-        if waits then
-            local wait = tonumber(f[3]) - now
-            if not ready_in or wait < ready_in then ready_in = wait end
-        else
-            redis.call('ZREM', KEYS[1], id)
-            if f[2] and f[2] ~= '' and f[2] ~= ARGV[2] then redis.call('HINCRBY', ARGV[9], f[5] or '', 1) end
-            local epoch = redis.call('HINCRBY', job, 'epoch', 1)
-            local attempt = redis.call('HINCRBY', job, 'attempts', 1)
-            redis.call('HSET', job, 'state', 'running', 'owner', ARGV[2], 'owner_instance', ARGV[3],
-                'updated_ms', ARGV[4])
-            redis.call('ZADD', KEYS[2], ARGV[4], id)
-            redis.call('ZADD', KEYS[3], ARGV[4], id)
-            if f[4] and f[4] ~= '' then
-                local held = ARGV[6] .. ARGV[2] .. ':' .. ARGV[3] .. ':held'
-                for key in string.gmatch(f[4], '%S+') do redis.call('ZADD', held, now, key) end
-                redis.call('ZREMRANGEBYRANK', held, 0, -tonumber(ARGV[7]) - 1)
-                redis.call('EXPIRE', held, ARGV[8])
-            end
-            local fields = redis.call('HMGET', job, 'next_seq', 'request')
-            return {id, epoch, attempt, fields[1], fields[2], f[4] or ''}
-        end
+local function wait_for(ms)
+    if not ready_in or ms < ready_in then ready_in = ms end
+end
+
+local function drop(id, share)
+    redis.call('ZREM', queue, id)
+    if share then
+        redis.call('ZREM', queue .. ':tenant:' .. share, id)
+        fair_leave_if_idle(queue, share)
     end
 end
-if ready_in then return {ready_in} end
+
+-- The job taken by this worker, or nil when it is not this worker's to take (yet).
+local function consider(id, share)
+    local job = ARGV[1] .. id
+    local f = redis.call('HMGET', job, 'state', 'preferred', 'preferred_until', 'placement', 'model', 'share',
+        'weight', 'prefill_tokens')
+    local enqueued = redis.call('ZSCORE', queue, id)
+    if f[1] ~= 'queued' or not enqueued then
+        drop(id, f[6] or share)
+        return nil
+    end
+    if latest and tonumber(enqueued) > latest then
+        wait_for(tonumber(enqueued) - latest)
+        return nil
+    end
+    if f[2] and f[2] ~= '' and f[2] ~= ARGV[2] and tonumber(f[3]) > now then
+        local raw = redis.call('GET', ARGV[6] .. f[2])
+        if raw then
+            local info = cjson.decode(raw)
+            if info['state'] == 'ready' and (info['num_jobs'] or 0) < (info['max_num_seqs'] or 0) then
+                wait_for(tonumber(f[3]) - now)
+                return nil
+            end
+        end
+    end
+    redis.call('ZREM', queue, id)
+    if f[2] and f[2] ~= '' and f[2] ~= ARGV[2] then redis.call('HINCRBY', ARGV[9], f[5] or '', 1) end
+    local epoch = redis.call('HINCRBY', job, 'epoch', 1)
+    local attempt = redis.call('HINCRBY', job, 'attempts', 1)
+    redis.call('HSET', job, 'state', 'running', 'owner', ARGV[2], 'owner_instance', ARGV[3], 'updated_ms', ARGV[4])
+    redis.call('ZADD', KEYS[2], ARGV[4], id)
+    redis.call('ZADD', KEYS[3], ARGV[4], id)
+    if f[4] and f[4] ~= '' then
+        local held = ARGV[6] .. ARGV[2] .. ':' .. ARGV[3] .. ':held'
+        for key in string.gmatch(f[4], '%S+') do redis.call('ZADD', held, now, key) end
+        redis.call('ZREMRANGEBYRANK', held, 0, -tonumber(ARGV[7]) - 1)
+        redis.call('EXPIRE', held, ARGV[8])
+    end
+    if f[6] then fair_take(queue, f[6], id, tonumber(f[8] or '0'), tonumber(f[7] or '1'), attempt) end
+    local fields = redis.call('HMGET', job, 'next_seq', 'request')
+    return {{id, epoch, attempt, fields[1], fields[2], f[4] or ''}}
+end
+
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', queue, '-inf', 0, 'LIMIT', 0, 64)) do
+    local taken = consider(id, nil)
+    if taken then return taken end
+end
+
+local tenants = redis.call('ZRANGE', queue .. ':backlog', 0, {fair_share.CLAIM_TENANTS_SCANNED - 1}, 'WITHSCORES')
+local order = {{}}
+for i = 1, #tenants, 2 do
+    local head = redis.call('ZRANGE', queue .. ':tenant:' .. tenants[i], 0, 0, 'WITHSCORES')
+    if #head == 0 then
+        redis.call('ZREM', queue .. ':backlog', tenants[i])
+    else
+        local band = tonumber(redis.call('HGET', ARGV[1] .. head[1], 'band') or '0')
+        order[#order + 1] = {{tenants[i], tonumber(tenants[i + 1]), band, tonumber(head[2])}}
+    end
+end
+table.sort(order, function(a, b)
+    if a[3] ~= b[3] then return a[3] < b[3] end
+    if a[2] ~= b[2] then return a[2] < b[2] end
+    if a[4] ~= b[4] then return a[4] < b[4] end
+    return a[1] < b[1]
+end)
+for _, tenant in ipairs(order) do
+    local first = redis.call('ZRANGE', queue .. ':tenant:' .. tenant[1], 0, {fair_share.CLAIM_JOBS_PER_TENANT - 1})
+    for _, id in ipairs(first) do
+        local taken = consider(id, tenant[1])
+        if taken then return taken end
+    end
+end
+
+local head = redis.call('ZRANGE', queue, 0, 63, 'WITHSCORES')
+for i = 1, #head, 2 do
+    if latest and tonumber(head[i + 1]) > latest then
+        wait_for(tonumber(head[i + 1]) - latest)
+        break
+    end
+    if redis.call('HEXISTS', ARGV[1] .. head[i], 'share') == 0 then
+        local taken = consider(head[i], nil)
+        if taken then return taken end
+    end
+end
+if ready_in then return {{ready_in}} end
 return false
 """
 
@@ -217,17 +275,19 @@ return 1
 """
 
 # KEYS: job, log, channel, all running jobs. ARGV: epoch, final state ('' if not final), log TTL
-# (s), job id, now (ms), max log length, then seq/payload pairs. Returns {1, next_seq} (written),
-# {0, -1} (refused: not this epoch's any more) or {2, next_seq} (a gap: resend from next_seq).
-_APPEND = """
-local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue', 'tenant_jobs')
-if f[1] ~= 'running' or f[2] ~= ARGV[1] then return {0, -1} end
+# (s), job id, now (ms), max log length, output tokens the events carry (charged to the job's
+# tenant), then seq/payload pairs. Returns {1, next_seq} (written), {0, -1} (refused: not this
+# epoch's any more) or {2, next_seq} (a gap: resend from next_seq).
+_APPEND = f"""
+local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue', 'tenant_jobs', 'share', 'weight')
+if f[1] ~= 'running' or f[2] ~= ARGV[1] then return {{0, -1}} end
+if f[6] then fair_charge(f[4], f[6], tonumber(ARGV[7]), {fair_share.OUTPUT_TOKEN_COST}, tonumber(f[7] or '1')) end
 local next_seq = tonumber(f[3])
-for i = 7, #ARGV, 2 do
+for i = 8, #ARGV, 2 do
     local seq = tonumber(ARGV[i])
     if seq > next_seq then
         redis.call('HSET', KEYS[1], 'next_seq', next_seq)
-        return {2, next_seq}
+        return {{2, next_seq}}
     end
     if seq == next_seq then
         redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], seq .. '-1', 'e', ARGV[i + 1])
@@ -243,13 +303,13 @@ if ARGV[2] ~= '' then
     redis.call('ZREM', f[4] .. ':running', ARGV[4])
     if f[5] and f[5] ~= '' then redis.call('ZREM', f[5], ARGV[4]) end
 end
-return {1, next_seq}
+return {{1, next_seq}}
 """
 
 # KEYS: job, all running jobs. ARGV: epoch, job id, now (ms). A running job goes back to the
 # front of its queue (its client is waiting). Returns 1, or 0 when the epoch is not current.
 _REQUEUE = """
-local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'queue', 'wake')
+local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'queue', 'wake', 'share', 'rank_base')
 if f[1] ~= 'running' or f[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updated_ms', ARGV[3])
 -- Its placement is over: whichever worker asks first continues it.
@@ -257,6 +317,10 @@ redis.call('HDEL', KEYS[1], 'owner', 'owner_instance', 'preferred')
 redis.call('ZREM', KEYS[2], ARGV[2])
 redis.call('ZREM', f[3] .. ':running', ARGV[2])
 redis.call('ZADD', f[3], 0, ARGV[2])
+if f[5] then
+    redis.call('ZADD', f[3] .. ':tenant:' .. f[5], f[6] or 0, ARGV[2])
+    fair_join(f[3], f[5])
+end
 redis.call('PUBLISH', f[4], '')
 return 1
 """
@@ -266,7 +330,7 @@ return 1
 # the given event. Returns 1, 0 (already ended, or another epoch by now), 2 (an event arrived
 # meanwhile: read next_seq again) or -1 (no such job).
 _END = """
-local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue', 'tenant_jobs')
+local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue', 'tenant_jobs', 'share')
 if not f[1] then return -1 end
 if f[1] ~= 'queued' and f[1] ~= 'running' then return 0 end
 if ARGV[7] ~= '' and f[2] ~= ARGV[7] then return 0 end
@@ -279,6 +343,10 @@ redis.call('ZREM', f[4], ARGV[5])
 redis.call('ZREM', f[4] .. ':running', ARGV[5])
 redis.call('ZREM', KEYS[4], ARGV[5])
 if f[5] and f[5] ~= '' then redis.call('ZREM', f[5], ARGV[5]) end
+if f[6] then
+    redis.call('ZREM', f[4] .. ':tenant:' .. f[6], ARGV[5])
+    fair_leave_if_idle(f[4], f[6])
+end
 return 1
 """
 
@@ -291,9 +359,9 @@ _STOP_KINDS = {JobState.CANCELLED: ErrorKind.CANCELLED, JobState.EXPIRED: ErrorK
 
 
 def _script(text: str, keys: RedisKeys) -> str:
-    """A script as the deployment's channels need it: on shard channels (Redis Cluster) it
-    publishes with SPUBLISH."""
-    return text.replace("redis.call('PUBLISH'", f"redis.call('{keys.publish_command}'")
+    """A script as the deployment's channels need it (on shard channels, a Redis Cluster's, it
+    publishes with SPUBLISH), after the fair share's functions."""
+    return fair_share.LUA_FUNCTIONS + text.replace("redis.call('PUBLISH'", f"redis.call('{keys.publish_command}'")
 
 
 def _writing_keys(keys: RedisKeys, job_id: str) -> list[str]:
@@ -380,6 +448,16 @@ class AppendReply:
     next_seq: int
 
 
+@dataclass(frozen=True)
+class ShareOf:
+    """Whose share of its queue a job is served from (``shared.fair_share``)."""
+
+    tenant: str = ""  # the keyed hash of its API key; '' for the one tenant without keys
+    priority: int = 0  # the client's: lower is sooner, among its tenant's jobs
+    band: int = 0  # the priority that ranks it across tenants: 0 unless its key may
+    weight: float = 1.0  # its key's weight: a tenant of weight 3 gets 3 times the share of one of 1
+
+
 class JobQueueFull(Exception):
     """The model's queue holds its limit of queued and running jobs."""
 
@@ -415,6 +493,7 @@ class JobLifecycle:
         prefix_keys: Sequence[str] = (),
         placement_window_s: float = 0.0,
         prefill_tokens: int = 0,
+        share: ShareOf | None = None,
     ) -> str | None:
         """A new queued job; raises JobQueueFull past ``limit`` queued and running jobs in its
         queue, TenantJobsFull past ``tenant_limit`` of the tenant's (0: no limit). ``payload`` is
@@ -422,8 +501,10 @@ class JobLifecycle:
         read by API processes alone. ``prefix_keys`` (``shared.placement``): the job waits up to
         ``placement_window_s`` for the live worker that holds the longest of them; returns that
         worker's id, None if the job is any worker's. ``prefill_tokens``: its prompt's size (an
-        estimate), what ``queued_prefill_tokens`` adds up."""
+        estimate), what ``queued_prefill_tokens`` adds up. ``share``: whose share of the queue it
+        is served from, and in what order (``shared.fair_share``); the shared tenant's without."""
         keys, now = self._keys, now_ms()
+        share = share or ShareOf()
         replies = await self._replica_ack.write(
             self._redis,
             f"job {job_id}",
@@ -436,6 +517,8 @@ class JobLifecycle:
                     limit, payload, model, queue, now, now, keys.queue_wake_channel(model), JOB_RECORD_TTL_S, job_id,
                     tenant or "", tenant_limit if tenant else 0, delivery, " ".join(prefix_keys),
                     round(placement_window_s * 1000), keys.worker(""), PLACEMENT_BALANCE_SLACK, prefill_tokens,
+                    share.tenant, fair_share.tenant_queue_score(share.priority, now), share.band, repr(share.weight),
+                    fair_share.priority_base(share.priority),
                 ],
                 client=pipe,
             ),
@@ -519,6 +602,15 @@ class JobLifecycle:
                 pipe.hget(self._keys.job(job_id), "prefill_tokens")
             sizes = [int(size or 0) for size in await pipe.execute()]
         return round(sum(sizes) * int(length) / len(sizes))
+
+    async def shares(self, queue: str) -> list[fair_share.TenantShare]:
+        """Each tenant's place in ``queue``'s fair share."""
+        return await fair_share.read_shares(self._redis, queue)
+
+    async def running_tenants(self, queue: str) -> list[str]:
+        """The fair-share tenant of each job claimed from ``queue`` and still running."""
+        job_ids = texts(await self._redis.zrange(self._keys.queue_running(queue), 0, -1))
+        return await fair_share.tenants_of(self._redis, [self._keys.job(job_id) for job_id in job_ids])
 
     async def queued_job_ids(self, queue: str) -> list[str]:
         """The jobs waiting in ``queue``, first to be claimed first."""
@@ -645,6 +737,7 @@ class AppendRequest:
     epoch: int
     events: list[tuple[int, bytes]]
     final_state: JobState | None
+    num_tokens: int = 0  # output tokens the events carry (charged to the job's tenant)
 
 
 class EventAppender:
@@ -677,7 +770,9 @@ class EventAppender:
         for request in requests:
             job_id = request.job_id
             final = request.final_state.value if request.final_state is not None else ""
-            args: list[str | int | bytes] = [request.epoch, final, JOB_LOG_TTL_S, job_id, now, JOB_LOG_MAX_EVENTS]
+            args: list[str | int | bytes] = [
+                request.epoch, final, JOB_LOG_TTL_S, job_id, now, JOB_LOG_MAX_EVENTS, request.num_tokens,
+            ]  # fmt: skip
             for seq, payload in request.events:
                 args += [seq, payload]
             pipe.evalsha(self._sha, 4, *_writing_keys(keys, job_id), *args)

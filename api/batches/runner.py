@@ -195,7 +195,7 @@ class BatchRunner:
             request_id = f"{batch.id}-{number}"
             try:
                 request = REQUEST_MODELS[batch.endpoint].model_validate(line.body)
-                job = make_job(request, request_id, is_ours=True, tenant=batch.owner, priority=BATCH)  # type: ignore[arg-type]
+                job = make_job(request, request_id, is_ours=True, tenant=batch.tenant, priority=BATCH)  # type: ignore[arg-type]
                 # An advance cut short after the enqueue but before the trim must not run a line twice.
                 if await self._lifecycle.record(job.job_id) is None:
                     await self._client.batch_line(job, queue)

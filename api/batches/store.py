@@ -35,10 +35,19 @@ class StoredBatch(Batch):
     """The batch as kept in Redis: the public object plus what only the API needs."""
 
     owner: str | None = None  # the owner id of the key that created it; None without keys
+    owner_weight: float = 1.0  # that key's terms in the fair share, for its lines
+    owner_ranks_across_tenants: bool = False
     num_lines: int = 0  # lines of its input file, known at creation (before validation counts them)
 
     def public(self) -> Batch:
-        return Batch.model_validate(self.model_dump(exclude={"owner", "num_lines"}))
+        return Batch.model_validate(
+            self.model_dump(exclude={"owner", "owner_weight", "owner_ranks_across_tenants", "num_lines"})
+        )
+
+    @property
+    def tenant(self) -> Tenant:
+        """The key that created it, as its lines run: with its terms, seeing only its own."""
+        return Tenant(self.owner, False, self.owner_weight, self.owner_ranks_across_tenants)
 
     @property
     def lines_left(self) -> int:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
+from typing import Any
 
 from api.jobs.images import NO_IMAGES, JobImages
+from api.tenancy import SINGLE_USER, Tenant
 from api.wire.openai.chat_request import (
     AssistantMessage,
     ChatCompletionRequest,
@@ -67,30 +69,38 @@ def make_job(
     request: SubmittableRequest,
     request_id: str,
     is_ours: bool,
-    tenant: str | None = None,
+    tenant: Tenant = SINGLE_USER,
     priority: int = INTERACTIVE,
     images: JobImages = NO_IMAGES,
 ) -> AnyJob:
-    """``tenant``: the owner id of the API key that asks (None without keys); ``priority``:
-    ``BATCH`` for batch lines; ``images``: the chat request's, loaded. RelayError (400) for what
-    the request cannot be."""
-    created = int(time.time())
+    """``tenant``: the API key that asks (its owner id names the job's owner, its terms its fair
+    share); ``priority``: ``BATCH`` for batch lines; ``images``: the chat request's, loaded.
+    RelayError (400) for what the request cannot be."""
+    created, owner = int(time.time()), tenant.owner
+    share = _share(tenant, request.priority if isinstance(request, SamplingFields) else 0)
     if isinstance(request, ChatCompletionRequest):
         return ChatJob(
             job_id=job_id_for("chatcmpl", request_id, is_ours), request_id=request_id, created=created,
-            tenant=tenant, request=chat_generate(request, priority, images.refs), delivery=_delivery(request),
-            affinity=_affinity(request),
+            tenant=owner, request=chat_generate(request, priority, images.refs), delivery=_delivery(request),
+            affinity=_affinity(request), **share,
         )  # fmt: skip
     if isinstance(request, CompletionRequest):
         return CompletionJob(
-            job_id=job_id_for("cmpl", request_id, is_ours), request_id=request_id, created=created, tenant=tenant,
-            request=completion_generate(request, priority), delivery=_delivery(request, echo=request.echo),
+            job_id=job_id_for("cmpl", request_id, is_ours), request_id=request_id, created=created, tenant=owner,
+            request=completion_generate(request, priority), delivery=_delivery(request, echo=request.echo), **share,
         )  # fmt: skip
     return EmbeddingJob(
-        job_id=job_id_for("embd", request_id, is_ours), request_id=request_id, created=created, tenant=tenant,
+        job_id=job_id_for("embd", request_id, is_ours), request_id=request_id, created=created, tenant=owner,
         request=Embed(model=request.model, inputs=request.inputs, dimensions=request.dimensions),
-        delivery=Delivery(encoding_format=request.encoding_format),
+        delivery=Delivery(encoding_format=request.encoding_format), **share,
     )  # fmt: skip
+
+
+def _share(tenant: Tenant, priority: int) -> dict[str, Any]:
+    """The job's place in the fair share (``shared.fair_share``): its client's priority orders its
+    key's own jobs, and ranks it across keys only where the key's terms allow."""
+    band = priority if tenant.ranks_across_tenants else 0
+    return {"queue_priority": priority, "share_weight": tenant.weight, "share_band": band}
 
 
 def tokenize_job(request: Tokenize, request_id: str, is_ours: bool, tenant: str | None) -> TokenizeJob:

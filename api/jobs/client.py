@@ -33,7 +33,7 @@ from shared.contract import (
     encode_job,
 )
 from shared.errors import ErrorKind, RelayError
-from shared.job_lifecycle import JobLifecycle, JobQueueFull, TenantJobsFull
+from shared.job_lifecycle import JobLifecycle, JobQueueFull, ShareOf, TenantJobsFull
 from shared.log_setup import log_transition
 from shared.placement import prefix_keys
 from shared.redis_keys import RedisKeys
@@ -133,7 +133,7 @@ class JobClient:
             window_s = self.settings.placement_window_s if len(keys) > 1 else 0.0
             preferred = await self.lifecycle.create(
                 job.job_id, payload, model, queue, limit, job.tenant, key_limit, delivery, keys, window_s,
-                prompt_token_estimate(job),
+                prompt_token_estimate(job), self._share(job),
             )  # fmt: skip
             if keys and self.settings.placement_window_s > 0:
                 self.metrics.placements.labels(model, "matched" if preferred else "none").inc()
@@ -153,6 +153,13 @@ class JobClient:
                 f"Model `{model}` has {limit} requests queued or running; retry shortly.",
                 retry_after_s=self.settings.retry_after_s,
             ) from None
+
+    def _share(self, job: AnyJob) -> ShareOf:
+        """The job's place in its queue: its key's share (one shared tenant with the fair share
+        off), its client's priority."""
+        if not self.settings.fair_share:
+            return ShareOf(priority=job.queue_priority, band=job.queue_priority)
+        return ShareOf(job.tenant or "", job.queue_priority, job.share_band, job.share_weight)
 
     @staticmethod
     def _payload(job: AnyJob, version: int) -> bytes:

@@ -44,6 +44,8 @@ async def create_batch(body: CreateBatchRequest, request: Request) -> Batch:
         expires_at=now + _WINDOW_S[body.completion_window],
         metadata=body.metadata,
         owner=tenant.owner,
+        owner_weight=tenant.weight,
+        owner_ranks_across_tenants=tenant.ranks_across_tenants,
         num_lines=input_file.num_lines,
     )
     # Validation and the rest happen in the batch runner of whichever API process gets there first.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -11,6 +13,7 @@ from api.services import services_of
 from shared.job_lifecycle import JobLifecycle
 
 router = APIRouter()
+DEFAULT_TENANT = "default"  # the one tenant of a server without keys
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
@@ -36,6 +39,10 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory, lifecycl
         metrics.image_cache_hits,
         metrics.vision_encode_seconds,
         metrics.spec_acceptance_rate,
+        metrics.tenant_queued,
+        metrics.tenant_running,
+        metrics.tenant_rank,
+        metrics.tenant_lead,
     ):
         gauge.clear()
     spills = await lifecycle.placement_spills()
@@ -73,3 +80,21 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory, lifecycl
                 metrics.vision_encode_seconds.labels(*labels).set(worker.vision_encode_seconds)
     metrics.spec_draft_tokens.values = drafted
     metrics.spec_accepted_tokens.values = accepted
+    await refresh_shares(metrics, [record.model for record in await directory.model_records()], lifecycle)
+
+
+async def refresh_shares(metrics: Metrics, models: list[str], lifecycle: JobLifecycle) -> None:
+    """Copy each queue's fair share into the tenant gauges."""
+    served: dict[tuple[str, ...], float] = {}
+    for model in models:
+        for lane, queue in (("interactive", lifecycle.keys.queue(model)), ("batch", lifecycle.keys.batch_queue(model))):
+            for share in await lifecycle.shares(queue):
+                labels = (model, lane, share.tenant or DEFAULT_TENANT)
+                served[labels] = share.served_tokens
+                if share.rank is not None:
+                    metrics.tenant_queued.labels(*labels).set(share.queued)
+                    metrics.tenant_rank.labels(*labels).set(share.rank)
+                    metrics.tenant_lead.labels(*labels).set(share.lead)
+            for tenant, count in Counter(await lifecycle.running_tenants(queue)).items():
+                metrics.tenant_running.labels(model, lane, tenant or DEFAULT_TENANT).set(count)
+    metrics.tenant_served.values = served

@@ -54,7 +54,7 @@ def job_of(request: Request, body: SubmittableRequest, images: JobImages = NO_IM
     """The job of one HTTP request, owned by the asking key, with the request's id."""
     state = request.state
     log_unknown_fields(body, state.request_id)
-    return make_job(body, state.request_id, state.request_id_is_ours, tenant_of(request).owner, images=images)
+    return make_job(body, state.request_id, state.request_id_is_ours, tenant_of(request), images=images)
 
 
 async def start_stream(request: Request, job: AnyJob, images: JobImages = NO_IMAGES) -> JobStream | None:

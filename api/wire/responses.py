@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from api.wire.openai import chat_request as chat
 from api.wire.openai.images import ImageLocator, ImageSource
 from api.wire.openai.json_schema import JsonSchema
+from shared.fair_share import PRIORITY_MAX, PRIORITY_MIN
 
 
 class _Wire(BaseModel):
@@ -174,6 +175,9 @@ class ResponsesRequest(_Wire):
     metadata: dict[str, str] | None = None
     user: str | None = None
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
+    priority: int = Field(
+        default=0, ge=PRIORITY_MIN, le=PRIORITY_MAX, description="Extension (vLLM's): lower is sooner; see chat."
+    )
 
     def input_items(self) -> list[InputItem]:
         if isinstance(self.input, str):
@@ -195,6 +199,7 @@ def to_chat_request(request: ResponsesRequest, history: list[InputItem]) -> chat
         "top_p": request.top_p,
         "parallel_tool_calls": request.parallel_tool_calls,
         "stream": request.stream,
+        "priority": request.priority,
     }
     if request.stream:
         fields["stream_options"] = {"include_usage": True}

@@ -257,6 +257,24 @@ class _Job(_Contract):
         "prompt_cache_key or user, a Responses chain), for placement (``shared.placement``); never written.",
     )
 
+    queue_priority: int = Field(
+        default=0,
+        exclude=True,
+        description="The API's alone: the client's priority (lower is sooner) among its tenant's queued jobs; never "
+        "written.",
+    )
+    share_weight: float = Field(
+        default=1.0,
+        gt=0,
+        exclude=True,
+        description="The API's alone: its key's weight in the fair share; never written.",
+    )
+    share_band: int = Field(
+        default=0,
+        exclude=True,
+        description="The API's alone: the priority that ranks it across tenants (0 unless its key may); never written.",
+    )
+
     @property
     def model(self) -> str:
         return self.request.model  # type: ignore[attr-defined]

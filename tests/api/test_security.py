@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from api.settings import ApiSettings
+from api.settings import ApiKey, ApiSettings
 from tests.conftest import TINY_MODEL, make_stack
 from tests.support.stack import Stack
 
@@ -147,6 +147,19 @@ def test_prompts_stay_out_of_logs_unless_enabled(
 
 def test_api_keys_can_come_from_a_file(tmp_path: Path) -> None:
     key_file = tmp_path / "keys"
-    key_file.write_text("# team keys\nsk-a\n\n  sk-b  \n")
+    key_file.write_text("# team keys\nsk-a\n\n  sk-b  weight=3 priority=global\n")
     settings = ApiSettings(api_keys="sk-c", api_key_file=key_file)
-    assert settings.load_api_keys() == ["sk-c", "sk-a", "sk-b"]
+    assert settings.load_api_keys() == [ApiKey("sk-c"), ApiKey("sk-a"), ApiKey("sk-b", 3.0, True)]
+
+
+@pytest.mark.parametrize(
+    ("line", "complaint"),
+    [("sk-a weight=0", "weight must be"), ("sk-a weight=lots", "weight must be"), ("sk-a priority=high", "unknown")],
+)
+def test_a_key_file_line_it_cannot_read_stops_the_server_naming_the_line(
+    tmp_path: Path, line: str, complaint: str
+) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"sk-ok\n{line}\n")
+    with pytest.raises(ValueError, match=f"keys:2: {complaint}"):
+        ApiSettings(api_key_file=key_file).load_api_keys()

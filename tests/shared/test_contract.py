@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from api.batches.validation import REQUEST_MODELS
 from api.jobs.build import BATCH, CHARS_PER_TOKEN, chat_generate, make_job, prompt_token_estimate, tokenize_job
+from api.tenancy import Tenant
 from api.wire.anthropic import MessagesRequest
 from api.wire.anthropic import to_chat_request as messages_to_chat
 from api.wire.openai.chat_request import ChatCompletionRequest
@@ -58,7 +59,7 @@ def _job(kind: str, wire: dict[str, Any]) -> AnyJob:
         job: AnyJob = tokenize_job(request, "r", True, "owner-1")
     else:
         model = {"chat": ChatCompletionRequest, "completion": CompletionRequest, "embedding": EmbeddingRequest}[kind]
-        job = make_job(model.model_validate(wire), "r", True, "owner-1")
+        job = make_job(model.model_validate(wire), "r", True, Tenant("owner-1", is_admin=False))
     return job.model_copy(update=_IDS)
 
 

@@ -23,7 +23,7 @@ from enum import StrEnum
 
 from redis.exceptions import RedisError
 
-from shared.events import EndEvent, ErrorEvent, encode_event
+from shared.events import DeltaEvent, EndEvent, ErrorEvent, encode_event
 from shared.job_lifecycle import AppendReply, AppendRequest, AppendStatus, EventAppender, JobState
 from shared.redis import RedisTarget, connect_sync_redis
 from shared.redis_keys import RedisKeys
@@ -50,13 +50,16 @@ class _Outbox:
     unsent: list[tuple[int, bytes]] = field(default_factory=list)
     final_state: JobState | None = None
     is_done: bool = False
+    num_uncharged_tokens: int = 0  # output tokens not yet charged to the job's tenant (its fair share)
 
     def add(self, output: RequestOutput) -> None:
         for event in output.events:
             payload = encode_event(event)
             self.sent[event.seq] = payload
             self.unsent.append((event.seq, payload))
-            if isinstance(event, EndEvent):
+            if isinstance(event, DeltaEvent):
+                self.num_uncharged_tokens += len(event.token_ids)
+            elif isinstance(event, EndEvent):
                 self.final_state = JobState.FINISHED
             elif isinstance(event, ErrorEvent):
                 self.final_state = JobState.FAILED
@@ -116,7 +119,10 @@ class EventPublisher:
         pending = [(job_id, box) for job_id, box in self._outboxes.items() if box.unsent or box.is_done]
         if not pending:
             return
-        requests = [AppendRequest(job_id, box.epoch, list(box.unsent), box.final_state) for job_id, box in pending]
+        requests = [
+            AppendRequest(job_id, box.epoch, list(box.unsent), box.final_state, box.num_uncharged_tokens)
+            for job_id, box in pending
+        ]
         try:
             replies = self._appender.append(requests)
         except RedisError as exc:
@@ -132,6 +138,8 @@ class EventPublisher:
             self._settle(job_id, box, reply)
 
     def _settle(self, job_id: str, box: _Outbox, reply: AppendReply) -> None:
+        if reply.status is not AppendStatus.REFUSED:
+            box.num_uncharged_tokens = 0
         if reply.status is AppendStatus.REFUSED:
             logger.info("job %s: events refused (cancelled, or moved on without this worker); stopping it", job_id)
             self._finish(job_id, box, PublishOutcome.LOST)

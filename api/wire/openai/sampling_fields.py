@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
+from shared.fair_share import PRIORITY_MAX, PRIORITY_MIN
+
 MAX_STOP_SEQUENCES = 4
 
 
@@ -38,6 +40,13 @@ class SamplingFields(BaseModel):
         "worker that served the last of them, where its prefix cache holds it; in place of `user`.",
     )
     # -- extensions (not in the OpenAI spec; vLLM's names) --------------------------------------
+    priority: int = Field(
+        default=0,
+        ge=PRIORITY_MIN,
+        le=PRIORITY_MAX,
+        description="Extension: lower is sooner. Orders this key's own queued requests; across keys, the fair share "
+        "decides (a key the admin lets rank across tenants: the priority first).",
+    )
     top_k: int = Field(default=-1, ge=-1, description="Extension: keep the k most likely tokens; -1 or 0 = all.")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Extension: drop tokens below min_p × p(top).")
     repetition_penalty: float = Field(
