@@ -6,9 +6,9 @@ INSTALLED := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 TEST_PROCESSES ?= 2
-CLUSTER_SUITES := tests/e2e/test_chat_openai_client.py tests/e2e/test_batches.py tests/e2e/test_responses_api.py
+CLUSTER_SUITES := tests/e2e/test_chat_openai_client.py tests/e2e/test_batches.py tests/e2e/test_responses_api.py tests/e2e/test_fair_share.py
 
-.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-speculative bench-worker-start bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
+.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-fairness bench-speculative bench-worker-start bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -31,7 +31,7 @@ serve: $(INSTALLED)
 
 ## The whole suite: lint and type-check (mypy: api/, shared/ and worker/), then unit, integration and end-to-end tests
 ## (two at a time, each process on a core of its own; those that need every core after them, alone),
-## then the chat, batch and Responses end-to-end suites on a Redis Cluster (the audio tests' Debian packages,
+## then the chat, batch, Responses and fair-share end-to-end suites on a Redis Cluster (the audio tests' Debian packages,
 ## pocketsphinx-testdata and espeak-ng, are installed first when missing).
 test: $(INSTALLED)
 	scripts/install-test-data.sh
@@ -41,7 +41,7 @@ test: $(INSTALLED)
 	# In TEST_PROCESSES processes, each pinned to a core of its own; then the modules marked `alone` (tests/conftest.py).
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile -m "not alone" $(PYTEST_ARGS)
 	$(PY) -m pytest -m alone $(PYTEST_ARGS) || test $$? -eq 5  # 5: PYTEST_ARGS picked none of them
-	# The chat, batch and Responses end-to-end suites again, every stack on a 3-primary Redis Cluster.
+	# The chat, batch, Responses and fair-share end-to-end suites again, every stack on a 3-primary Redis Cluster.
 	$(PY) -m pytest --redis-cluster $(CLUSTER_SUITES)
 
 ## The documentation site (docs/, mkdocs.yml) built strict into site/; `make test` builds it too. The settings page is generated: python -m relaylm.settings_page.
@@ -80,6 +80,10 @@ bench-batch: $(BENCH_INSTALLED)
 ## Speculation on one stream (~4 min with llama-server built): relaylm --speculative ngram and off, llama-server plain and with each n-gram mode, on a file edit and on prose; the text of each against its plain run; bench/results/speculative.json (MODEL=qwen2.5-coder-0.5b-instruct for that one).
 bench-speculative: $(BENCH_INSTALLED)
 	$(PY) -m bench.speculative_bench $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+## Fair share between API keys (~8 min): a quiet key's TTFT under another key's flood, FIFO against the fair claim, on one worker and two; the share by request size and by key weight; bench/results/fairness.json.
+bench-fairness: $(BENCH_INSTALLED)
+	$(PY) -m bench.fairness_bench $(ARGS)
 
 ## Placement by prefix (~5 min): agent-like conversations over one worker and two (each on a core of its own), the claim's placement off and on; bench/results/placement.json.
 bench-placement: $(BENCH_INSTALLED)

@@ -6,7 +6,8 @@ Each queue (a model's interactive lane, or its batch lane) keeps, beside its FIF
   enqueue time (``tenant_queue_score``);
 - ``<queue>:backlog``: the tenants with queued jobs, scored by their service counter;
 - ``<queue>:service``: every tenant's counter, idle ones included while they are ahead of the
-  floor (below it they are dropped: a returning tenant is lifted to the floor anyway);
+  floor (below it they are dropped: a returning tenant is lifted to the floor anyway, and one
+  whose running jobs are charged again restarts from the floor);
 - ``<queue>:fair``: the floor (field ``floor``, the least counter of the backlogged tenants the
   last time a job was taken) and the tokens served per tenant (``served:<tenant>``).
 
@@ -73,9 +74,15 @@ local function fair_leave_if_idle(queue, tenant)
     if redis.call('EXISTS', queue .. ':tenant:' .. tenant) == 0 then redis.call('ZREM', queue .. ':backlog', tenant) end
 end
 
+-- A tenant forgotten below the floor while its jobs ran is charged from the floor (never from 0,
+-- which would hand it the credit it had fallen behind by).
 local function fair_charge(queue, tenant, tokens, cost, weight)
     if tokens <= 0 then return end
-    local counter = redis.call('ZINCRBY', queue .. ':service', tokens * cost / weight, tenant)
+    local service = queue .. ':service'
+    if not redis.call('ZSCORE', service, tenant) then
+        redis.call('ZADD', service, tonumber(redis.call('HGET', queue .. ':fair', 'floor') or '0'), tenant)
+    end
+    local counter = redis.call('ZINCRBY', service, tokens * cost / weight, tenant)
     if redis.call('ZSCORE', queue .. ':backlog', tenant) then
         redis.call('ZADD', queue .. ':backlog', counter, tenant)
     end

@@ -149,8 +149,9 @@ return {1, preferred}
 # KEYS: queue, queue's running set, all running jobs. ARGV: job key prefix, worker id, worker
 # instance, now (ms), the latest queue score (enqueue time, ms) it may take ('' for any), the
 # worker records' key prefix, how many prefix keys a worker holds at most, their TTL (s), the
-# placement spills' hash (counted per model when a job placed on another worker is taken).
-# Returns {id, epoch, attempt, next_seq, payload, prefix keys}, {ms} when a job becomes this
+# placement spills' hash (counted per model when a job placed on another worker is taken), '1'
+# to take only a job of a tenant with no job running from the queue (a slot kept for quiet
+# keys) or ''. Returns {id, epoch, attempt, next_seq, payload, prefix keys}, {ms} when a job becomes this
 # worker's to take in that many ms (too recent, or placed on another worker for a while longer),
 # or nil.
 #
@@ -167,6 +168,19 @@ local now = tonumber(ARGV[4])
 local ready_in = nil
 local function wait_for(ms)
     if not ready_in or ms < ready_in then ready_in = ms end
+end
+
+local only_idle = ARGV[10] == '1'
+local busy = nil
+local function is_busy(share)
+    if not busy then
+        busy = {{}}
+        for _, running in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+            local owner = redis.call('HGET', ARGV[1] .. running, 'share')
+            if owner then busy[owner] = true end
+        end
+    end
+    return busy[share] == true
 end
 
 local function drop(id, share)
@@ -187,6 +201,7 @@ local function consider(id, share)
         drop(id, f[6] or share)
         return nil
     end
+    if only_idle and (not f[6] or is_busy(f[6])) then return nil end
     if latest and tonumber(enqueued) > latest then
         wait_for(tonumber(enqueued) - latest)
         return nil
@@ -242,14 +257,16 @@ table.sort(order, function(a, b)
     return a[1] < b[1]
 end)
 for _, tenant in ipairs(order) do
-    local first = redis.call('ZRANGE', queue .. ':tenant:' .. tenant[1], 0, {fair_share.CLAIM_JOBS_PER_TENANT - 1})
-    for _, id in ipairs(first) do
-        local taken = consider(id, tenant[1])
-        if taken then return taken end
+    if not (only_idle and is_busy(tenant[1])) then
+        local first = redis.call('ZRANGE', queue .. ':tenant:' .. tenant[1], 0, {fair_share.CLAIM_JOBS_PER_TENANT - 1})
+        for _, id in ipairs(first) do
+            local taken = consider(id, tenant[1])
+            if taken then return taken end
+        end
     end
 end
 
-local head = redis.call('ZRANGE', queue, 0, 63, 'WITHSCORES')
+local head = only_idle and {{}} or redis.call('ZRANGE', queue, 0, 63, 'WITHSCORES')
 for i = 1, #head, 2 do
     if latest and tonumber(head[i + 1]) > latest then
         wait_for(tonumber(head[i + 1]) - latest)
@@ -535,17 +552,20 @@ class JobLifecycle:
             raise TenantJobsFull(tenant)
         raise ValueError(f"unexpected reply {created!r} creating job {job_id}")
 
-    async def claim(self, queue: str, worker_id: str, instance: str, min_wait_s: float = 0.0) -> Claim | NotYet | None:
+    async def claim(
+        self, queue: str, worker_id: str, instance: str, min_wait_s: float = 0.0, only_idle_tenants: bool = False
+    ) -> Claim | NotYet | None:
         """The queue's first job that is this worker's to take, now this worker's; with
         ``min_wait_s``, only one that has waited that long (a job handed back waits at the front
-        and is always old enough). A job placed on another worker is left to it for its window."""
+        and is always old enough). A job placed on another worker is left to it for its window.
+        ``only_idle_tenants``: only a job of a tenant with no job running from ``queue``."""
         keys, now = self._keys, now_ms()
         latest = str(now - round(min_wait_s * 1000)) if min_wait_s > 0 else ""
         reply = await self._claim(
             keys=[queue, keys.queue_running(queue), keys.running_jobs()],
             args=[
                 keys.job_prefix, worker_id, instance, now, latest, keys.worker(""), HELD_KEYS_MAX, HELD_KEYS_TTL_S,
-                keys.placement_spills(),
+                keys.placement_spills(), "1" if only_idle_tenants else "",
             ],
         )  # fmt: skip
         if not reply:

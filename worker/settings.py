@@ -67,6 +67,14 @@ class WorkerSettings(CommonSettings):
         default=None, ge=16, description="Context length served; defaults to the model's maximum."
     )
     max_num_seqs: int = Field(default=32, ge=1, description="Most sequences decoded together in one batch.")
+    fair_share_slots: int = Field(
+        default=2,
+        ge=0,
+        le=64,
+        description="Sequences beyond --max-num-seqs that only a request of an API key with no other request running "
+        "takes (the fair share between keys): a quiet key's request starts at once, however many slots another key's "
+        "requests hold. Interactive lanes only; 0: none.",
+    )
     max_tokens_over_context: Literal["clamp", "error"] = Field(
         default="clamp",
         description=(

@@ -1,11 +1,14 @@
-"""Request validation rules that go beyond field types."""
+"""Request validation rules that go beyond field types, and what a request's fields make of its job."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
+from api.jobs.build import make_job
+from api.tenancy import Tenant
 from api.wire.openai.chat_request import ChatCompletionRequest
+from api.wire.responses import ResponsesRequest, to_chat_request
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -57,3 +60,16 @@ def test_assistant_with_tool_calls_may_have_null_content() -> None:
 
 def test_unknown_fields_are_ignored() -> None:
     assert _request(store=True, metadata={"a": "b"}).model == "m"
+
+
+def test_a_priority_orders_only_its_keys_jobs_unless_the_key_may_rank_across_keys() -> None:
+    urgent = _request(priority=-7)
+    plain = make_job(urgent, "r", True, Tenant("owner-1", is_admin=False, weight=3.0))
+    ranked = make_job(urgent, "r", True, Tenant("owner-2", is_admin=False, ranks_across_tenants=True))
+    assert (plain.queue_priority, plain.share_band, plain.share_weight) == (-7, 0, 3.0)
+    assert (ranked.queue_priority, ranked.share_band, ranked.share_weight) == (-7, -7, 1.0)
+    responses = ResponsesRequest.model_validate({"model": "m", "input": "hi", "priority": 3})
+    assert to_chat_request(responses, []).priority == 3
+    for bad in (-1001, 1001, 1.5):
+        with pytest.raises(ValidationError):
+            _request(priority=bad)

@@ -147,6 +147,15 @@ def _each_line_once(base_url: str, batch: dict[str, object], num_lines: int) -> 
     return output, errors
 
 
+def _served_tokens(url: str, stack: Stack) -> int:
+    """The tokens the batch lane served (the one tenant of a server without keys)."""
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.hget(f"{stack.keys.batch_queue(MODEL)}:fair", "served:") or 0)
+    finally:
+        client.close()
+
+
 def test_1_redis_restarted_with_appendonly_while_a_batch_runs_ends_every_line_once(
     own_redis: _OwnRedis, log_dir: Path, tiny_model_path: Path
 ) -> None:
@@ -159,6 +168,7 @@ def test_1_redis_restarted_with_appendonly_while_a_batch_runs_ends_every_line_on
         batch_id = _submit_batch(stack.base_url, 60)
         midway = _wait_completed(stack.base_url, batch_id, at_least=10, timeout_s=120)
         assert midway.get("status") == "in_progress", midway
+        served_before = _served_tokens(own_redis.url, stack)
         own_redis.kill()
         time.sleep(1.0)
         own_redis.start()
@@ -169,6 +179,8 @@ def test_1_redis_restarted_with_appendonly_while_a_batch_runs_ends_every_line_on
         client = redis.Redis.from_url(own_redis.url)
         assert client.zcard(stack.keys.running_jobs()) == 0
         client.close()
+        # The fair share's counters came back with the rest of the job state, and kept counting.
+        assert served_before > 0 and _served_tokens(own_redis.url, stack) > served_before
     finally:
         stack.stop()
 
@@ -186,6 +198,7 @@ def test_1_redis_restarted_without_persistence_loses_the_batch_with_a_404_and_se
         stack.start_worker(tiny_model_path, MODEL, dtype="float32", max_model_len=512)
         batch_id = _submit_batch(stack.base_url, 30)
         _wait_completed(stack.base_url, batch_id, at_least=5, timeout_s=60)
+        served_before = _served_tokens(volatile.url, stack)
         volatile.kill()
         volatile.start()
         restarted = time.monotonic()
@@ -204,6 +217,8 @@ def test_1_redis_restarted_without_persistence_loses_the_batch_with_a_404_and_se
         assert time.monotonic() - restarted < 15
         new_batch = _wait_completed(stack.base_url, _submit_batch(stack.base_url, 4), at_least=5, timeout_s=60)
         assert new_batch.get("status") == "completed", new_batch
+        # The fair share starts level again: its counters restarted from nothing with the new lines.
+        assert 0 < _served_tokens(volatile.url, stack) < served_before  # 4 lines now, 5 or more before
         _each_line_once(stack.base_url, new_batch, 4)
     finally:
         stack.stop()

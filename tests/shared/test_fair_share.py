@@ -186,3 +186,34 @@ async def test_idle_tenants_below_the_floor_are_forgotten(env) -> None:  # type:
     await _claimed_ids(lifecycle, keys, 3)
     # The floor passed every idle tenant's counter: only the last to be served is still counted.
     assert await redis.zcard(f"{keys.queue('m')}:service") <= 2
+
+
+async def test_a_tenant_forgotten_while_its_job_ran_is_charged_from_the_floor(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, appender, keys, redis = env
+    queue = keys.queue("m")
+    await _queue(lifecycle, keys, "t0", ShareOf("T"), prompt=10)
+    long_job = await _claim(lifecycle, keys)
+    for i in range(4):
+        await _queue(lifecycle, keys, f"a{i}", ShareOf("A"))
+        await _queue(lifecycle, keys, f"b{i}", ShareOf("B"))
+    await _claimed_ids(lifecycle, keys, 6)  # the floor passes T's 10: T, idle, is forgotten
+    assert await redis.zscore(f"{queue}:service", "T") is None
+    floor = float(await redis.hget(f"{queue}:fair", "floor"))
+    delta = encode_event(DeltaEvent(seq=0, token_ids=list(range(50))))
+    appender.append([AppendRequest(long_job.job_id, long_job.epoch, [(0, delta)], None, num_tokens=50)])
+    assert await redis.zscore(f"{queue}:service", "T") == floor + 2 * 50
+
+
+async def test_a_slot_kept_for_quiet_keys_takes_only_a_job_of_a_key_with_nothing_running(env) -> None:  # type: ignore[no-untyped-def]
+    lifecycle, _, keys, _ = env
+    queue = keys.queue("m")
+    for i in range(3):
+        await _queue(lifecycle, keys, f"a{i}", ShareOf("A"))
+    assert (await _claim(lifecycle, keys)).job_id == "a0"
+    assert await lifecycle.claim(queue, "w1", "i1", only_idle_tenants=True) is None  # A has a job running
+    await _queue(lifecycle, keys, "b0", ShareOf("B"))
+    await _queue(lifecycle, keys, "b1", ShareOf("B"))
+    quiet = await lifecycle.claim(queue, "w1", "i1", only_idle_tenants=True)
+    assert isinstance(quiet, Claim) and quiet.job_id == "b0"
+    assert await lifecycle.claim(queue, "w1", "i1", only_idle_tenants=True) is None  # now B has one running
+    assert await _claimed_ids(lifecycle, keys, 3) == ["a1", "a2", "b1"]  # B paid for its quiet job

@@ -122,6 +122,9 @@ class Readiness:
     compile_probe: Callable[[], str] | None = None
     vision_probe: Callable[[], tuple[int, int, float]] | None = None
     speculation_probe: Callable[[], tuple[int, int]] | None = None  # tokens drafted, drafted tokens kept
+    # Of the engine's slots, those only a job of an API key with nothing else running takes
+    # (``--fair-share-slots``); the rest are the worker's ``--max-num-seqs``.
+    fair_share_slots: int = 0
     # Where placement keys go that the engine holds no more (prefix keys and the claim time that
     # named each last), called on the engine thread; None for a kind that holds none.
     follow_released_keys: Callable[[Callable[[list[tuple[str, int]]], None]], None] | None = None

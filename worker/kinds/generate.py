@@ -40,11 +40,14 @@ class GenerationHandler:
         tooling: ToolingConfig,
         engine: LLMEngine,
         max_tokens_over_context: Literal["clamp", "error"] = "clamp",
+        max_n: int | None = None,
     ) -> None:
+        """``max_n``: the most choices one request may ask for (the worker's ``--max-num-seqs``)."""
         self.loaded = loaded
         self.tooling = tooling
         self.engine = engine
         self.max_tokens_over_context = max_tokens_over_context
+        self.max_n = engine.max_running if max_n is None else max_n
         self._compiler: ConstraintCompiler | None = None
 
     def get_compiler(self) -> ConstraintCompiler:
@@ -62,7 +65,7 @@ class GenerationHandler:
             raise wrong_task(job, "chat and text completions")
         resume = _resume_state(inputs.claim.next_seq, await inputs.sent())
         images = await inputs.images(job)
-        limits = RequestLimits(self.engine.max_running, self.max_tokens_over_context)
+        limits = RequestLimits(self.max_n, self.max_tokens_over_context)
         if isinstance(job, ChatJob):
             request = prepare_chat(
                 job.job_id, job.request, self.loaded, self.tooling, limits, self.get_compiler, images
@@ -134,7 +137,7 @@ class GenerateKind:
         )  # fmt: skip
         device = _device(loaded)
         config = EngineConfig(
-            max_num_seqs=s.max_num_seqs,
+            max_num_seqs=s.max_num_seqs + self._fair_share_slots,
             max_num_batched_tokens=s.max_num_batched_tokens or default_max_num_batched_tokens(device),
             max_model_len=loaded.max_model_len,
             kv_cache_bytes=int(s.kv_cache_memory_gib * 2**30),
@@ -157,12 +160,18 @@ class GenerateKind:
             self._compile_decode(loaded, engine)
         return engine
 
+    @property
+    def _fair_share_slots(self) -> int:
+        """Engine slots kept for quiet API keys' requests: none on a batch-only worker."""
+        return 0 if self.settings.lanes == "batch" else self.settings.fair_share_slots
+
     def handler(self) -> GenerationHandler:
         loaded, engine = self._started()
         s = self.settings
         tooling = resolve_tooling(loaded.tokenizer, s.tool_parser, s.reasoning_parser, s.generic_tool_prompt)
         logger.info("tool parser: %s, reasoning parser: %s", tooling.tool_parser, tooling.reasoning_parser)
-        return GenerationHandler(loaded, tooling, engine, s.max_tokens_over_context)
+        max_n = engine.max_running - self._fair_share_slots
+        return GenerationHandler(loaded, tooling, engine, s.max_tokens_over_context, max_n)
 
     def describe(self, info: WorkerInfo) -> Readiness:
         loaded, engine = self._started()
@@ -180,6 +189,7 @@ class GenerateKind:
             compile_probe=(lambda: compiled.state.value) if compiled is not None else None,
             follow_released_keys=follow_released_keys,
             speculation_probe=lambda: (engine.num_draft_tokens, engine.num_accepted_tokens),
+            fair_share_slots=min(self._fair_share_slots, engine.max_running - 1),
         )
         if loaded.vision is None:
             return readiness

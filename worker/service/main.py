@@ -43,13 +43,14 @@ def make_consumer(
     claim_gate: Callable[[], bool] | None = None,
     claim_min_wait_s: Callable[[], float] | None = None,
     on_jobs_changed: Callable[[], None] | None = None,
+    only_idle_tenants: bool = False,
 ) -> QueueConsumer:
     async def run_job(claim: Claim) -> None:
         await runner.run(claim, priority)
 
     return QueueConsumer(
         lifecycle, queue, settings.worker_id, instance, num_slots, run_job, settings.poll_delay_s, claim_gate,
-        claim_min_wait_s, on_jobs_changed,
+        claim_min_wait_s, on_jobs_changed, only_idle_tenants,
     )  # fmt: skip
 
 
@@ -108,7 +109,8 @@ class WorkerProcess:
             self.lifecycle, s.worker_id, s.model_id, self.kind.handler(), self.publisher, s.job_timeout_s,
             on_job_left=pause_consumers,
         )  # fmt: skip
-        consumers.extend(self._consumers(runner, engine))
+        readiness = self.kind.describe(self.registration.info)
+        consumers.extend(self._consumers(runner, engine, readiness.fair_share_slots))
         self.registration.jobs_probe = lambda: sum(consumer.num_jobs_running for consumer in consumers)
         listener = ControlListener(
             self.redis,
@@ -119,7 +121,6 @@ class WorkerProcess:
             sharded=self.keys.sharded_channels,
         )
         await listener.start()
-        readiness = self.kind.describe(self.registration.info)
         if readiness.compile_probe is not None:
             self.registration.compile_probe = readiness.compile_probe
         if readiness.vision_probe is not None:
@@ -128,12 +129,14 @@ class WorkerProcess:
             self.registration.speculation_probe = readiness.speculation_probe
         if readiness.follow_released_keys is not None:
             readiness.follow_released_keys(self._keys_released(asyncio.get_running_loop()))
-        self.registration.set_ready(engine.max_running, readiness.max_input_len, engine.load)
+        max_num_seqs = engine.max_running - readiness.fair_share_slots
+        self.registration.set_ready(max_num_seqs, readiness.max_input_len, engine.load)
         await self.registration.beat()
         consume = asyncio.gather(*(consumer.main() for consumer in consumers))
         logger.info(
-            "worker %s ready: model %s (%s, %s), max length %d, max concurrency %d",
-            s.worker_id, s.model_id, self.kind.task, readiness.source, readiness.max_input_len, engine.max_running,
+            "worker %s ready: model %s (%s, %s), max length %d, max concurrency %d (and %d for quiet API keys)",
+            s.worker_id, s.model_id, self.kind.task, readiness.source, readiness.max_input_len, max_num_seqs,
+            readiness.fair_share_slots,
         )  # fmt: skip
         stopped = asyncio.create_task(stop.wait())
         engine_exited = asyncio.create_task(self.engine_thread.exited())
@@ -157,21 +160,31 @@ class WorkerProcess:
         self.publisher.close()
         await self.redis.aclose()
 
-    def _consumers(self, runner: JobRunner[Any], engine: Engine[Any]) -> list[QueueConsumer]:
+    def _consumers(self, runner: JobRunner[Any], engine: Engine[Any], fair_share_slots: int) -> list[QueueConsumer]:
         """The model's interactive queue, and its batch queue (as ``--lanes`` says): beside
         interactive work, batch lines take only the slots it leaves, never the reserved ones, and
-        wait while requests queue in the engine; a batch-only worker gives them every slot."""
+        wait while requests queue in the engine; a batch-only worker gives them every slot. With
+        ``fair_share_slots``, a second consumer of the interactive queue takes, while the first
+        is full, only jobs of API keys with nothing else running (a quiet key's request)."""
         s = self.settings
         instance = self.registration.info.instance
         min_wait, changed = self.host_pool.claim_min_wait_s, self._jobs_changed
+        num_slots = engine.max_running - fair_share_slots
         interactive = make_consumer(
-            s, self.lifecycle, instance, runner, engine.max_running, self.keys.queue(s.model_id),
+            s, self.lifecycle, instance, runner, num_slots, self.keys.queue(s.model_id),
             claim_min_wait_s=min_wait, on_jobs_changed=changed,
         )  # fmt: skip
+        quiet = [
+            make_consumer(
+                s, self.lifecycle, instance, runner, fair_share_slots, self.keys.queue(s.model_id),
+                claim_gate=lambda: interactive.num_jobs_running >= interactive.num_slots, claim_min_wait_s=min_wait,
+                on_jobs_changed=changed, only_idle_tenants=True,
+            )
+        ] if fair_share_slots and s.lanes != "batch" else []  # fmt: skip
         if s.lanes == "interactive":
-            return [interactive]
-        reserved = s.batch_reserved_slots if s.batch_reserved_slots is not None else engine.max_running // 2
-        batch_slots = engine.max_running if s.lanes == "batch" else max(1, engine.max_running - reserved)
+            return [interactive, *quiet]
+        reserved = s.batch_reserved_slots if s.batch_reserved_slots is not None else num_slots // 2
+        batch_slots = num_slots if s.lanes == "batch" else max(1, num_slots - reserved)
 
         def has_room_for_batch() -> bool:
             busy = batch.num_jobs_running + (interactive.num_jobs_running if s.lanes == "all" else 0)
@@ -181,7 +194,7 @@ class WorkerProcess:
             s, self.lifecycle, instance, runner, batch_slots, self.keys.batch_queue(s.model_id), priority=1,
             claim_gate=has_room_for_batch, claim_min_wait_s=min_wait, on_jobs_changed=changed,
         )  # fmt: skip
-        return [batch] if s.lanes == "batch" else [interactive, batch]
+        return [batch] if s.lanes == "batch" else [interactive, *quiet, batch]
 
     def _keys_released(self, loop: asyncio.AbstractEventLoop) -> Callable[[list[tuple[str, int]]], None]:
         """Prefix keys the engine holds no more leave this worker's held set (from the engine thread)."""

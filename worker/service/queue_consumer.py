@@ -44,11 +44,13 @@ class QueueConsumer:
         claim_gate: Callable[[], bool] | None = None,
         claim_min_wait_s: Callable[[], float] | None = None,
         on_jobs_changed: Callable[[], None] | None = None,
+        only_idle_tenants: bool = False,
     ) -> None:
         """``claim_gate``: asked before each claim; while it says no, no new job is taken
         (batch lines wait while interactive requests need the engine). ``claim_min_wait_s``: how
         long a job must have been queued before this worker takes it. ``on_jobs_changed``:
-        called when a job is taken or ends."""
+        called when a job is taken or ends. ``only_idle_tenants``: take only jobs of API keys with
+        no job running in the queue (the slots kept for quiet keys, ``shared.fair_share``)."""
         self._lifecycle = lifecycle
         self.queue = queue
         self._worker_id = worker_id
@@ -59,6 +61,7 @@ class QueueConsumer:
         self._claim_gate = claim_gate
         self._claim_min_wait_s = claim_min_wait_s or (lambda: 0.0)
         self._on_jobs_changed = on_jobs_changed or (lambda: None)
+        self._only_idle_tenants = only_idle_tenants
         self._recheck_in_s: float | None = None  # the queue's first job will be old enough then
         self._wake = asyncio.Event()
         self._is_claiming = True
@@ -113,7 +116,9 @@ class QueueConsumer:
             if self._claim_gate is not None and not self._claim_gate():
                 return
             min_wait_s = self._claim_min_wait_s()
-            claim = await self._lifecycle.claim(self.queue, self._worker_id, self._instance, min_wait_s)
+            claim = await self._lifecycle.claim(
+                self.queue, self._worker_id, self._instance, min_wait_s, self._only_idle_tenants
+            )
             if isinstance(claim, NotYet):
                 self._recheck_in_s = claim.ready_in_s + 0.005
                 return
