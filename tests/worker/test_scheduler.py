@@ -140,6 +140,21 @@ def test_completing_an_interactive_prompt_beside_batch_rows_is_a_prefill_only_st
     assert scheduler.schedule().decoding == [batch_seq, *[s for s in scheduler.running if s is not batch_seq]]
 
 
+def test_a_quiet_keys_prompt_is_admitted_first_and_completes_in_a_prefill_only_step() -> None:
+    scheduler = _scheduler(num_slots=4, budget=1000)
+    flood = _seq(4, "flood")
+    scheduler.add(flood)
+    _finish_prefill(scheduler)
+    scheduler.add(_seq(4, "chat"))
+    quiet = _seq(4, "quiet")
+    quiet.request.priority = -1  # in a slot kept for quiet API keys
+    scheduler.add(quiet)
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["quiet", "chat"]
+    step = scheduler.schedule()
+    assert [chunk.seq.request.request_id for chunk in step.prefill_chunks] == ["quiet"]
+    assert step.skip_decode and step.decoding == []
+
+
 def test_interactive_only_steps_still_decode_beside_a_new_prompt() -> None:
     scheduler = _scheduler(num_slots=4, budget=1000)
     scheduler.add(_seq(4, "first"))

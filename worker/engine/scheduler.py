@@ -86,8 +86,9 @@ DraftSource = Callable[[Sequence], list[int]]
 class ScheduledStep:
     running: list[Sequence]  # slot order: running[i].sched.slot == i; all of them take part in decode
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
-    # The step only prefills: it completes an interactive prompt while batch lines decode, and
-    # its first token should not wait for a decode of every batch row (they decode next step).
+    # The step only prefills: it completes a prompt while less urgent rows decode (an interactive
+    # prompt beside batch lines, a quiet key's beside another key's flood), and its first token
+    # should not wait for a decode of every one of those rows (they decode next step).
     skip_decode: bool = False
     # Since the last step, in order: slots whose sequence moved (their KV already has), then the
     # sequences admitted to a slot. Per-slot state kept elsewhere (sampling) follows them.
@@ -183,8 +184,9 @@ class Scheduler:
             query_len = max(query_len, length)
         if draft is not None and not chunks:
             chunks = self._draft_chunks(draft)
-        completes_interactive = any(chunk.completes_prompt and chunk.seq.request.priority == 0 for chunk in chunks)
-        skip_decode = completes_interactive and any(seq.request.priority > 0 for seq in self.running)
+        completing = [chunk.seq.request.priority for chunk in chunks if chunk.completes_prompt]
+        urgent = min(completing, default=None)
+        skip_decode = urgent is not None and any(seq.request.priority > urgent for seq in self.running)
         self.prefixes.balance(self.running)
         if self._memory is not None:
             self._memory.trim(self.budget.num_blocks + self.prefixes.idle_blocks)

@@ -52,7 +52,9 @@ class EngineRequest:
     resume: ResumeState | None = None  # what an earlier attempt already sent
     make_pipeline: Callable[[], TextPipeline] | None = None  # reasoning / tool-call parsing per choice
     constraint: CompiledConstraint | None = None  # a grammar the output must follow
-    priority: int = 0  # 0 interactive, 1 batch: waiting requests are admitted in this order
+    # -1 a quiet API key's (a slot kept for it), 0 interactive, 1 batch: waiting requests are
+    # admitted in this order
+    priority: int = 0
     images: PromptImages | None = None  # a chat prompt's images (one prompt, vision models)
     prefix_keys: PrefixKeys | None = None  # the job's placement keys, held while its prompt is cached
     next_event_seq: int = 1  # 0 is the start event

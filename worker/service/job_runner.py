@@ -78,7 +78,7 @@ class JobRunner(Generic[W]):
 
     async def run(self, claim: Claim, priority: int = 0) -> None:
         """``priority``: 0 for the interactive queue's jobs, 1 for the batch queue's (a job's own
-        priority, if higher, wins)."""
+        priority, if higher, wins), -1 for a job in a slot kept for quiet API keys (it wins)."""
         job_id = claim.job_id
         self._request_ids[job_id] = None
         done = self._publisher.expect(job_id, claim.epoch)
@@ -115,7 +115,7 @@ class JobRunner(Generic[W]):
             await self._answer(claim, request_id, prepared, done)
             return
         work = prepared
-        work.priority = max(priority, work.priority)
+        work.priority = priority if priority < 0 else max(priority, work.priority)
         if claim.next_seq == 0:
             work.start_event = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=work.num_prompt_tokens)
         self._engine.submit(work)

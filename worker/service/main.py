@@ -54,6 +54,10 @@ def make_consumer(
     )  # fmt: skip
 
 
+# The engine priority of a job in a slot kept for quiet API keys: admitted first, and the step
+# that completes its prompt skips the other rows' decode, as an interactive prompt's does beside
+# batch lines.
+QUIET = -1
 # After leaving a job it cannot read, a worker takes nothing for this long: a worker that reads
 # the job takes it meanwhile.
 _LEFT_JOB_PAUSE_S = 1.0
@@ -178,7 +182,7 @@ class WorkerProcess:
             make_consumer(
                 s, self.lifecycle, instance, runner, fair_share_slots, self.keys.queue(s.model_id),
                 claim_gate=lambda: interactive.num_jobs_running >= interactive.num_slots, claim_min_wait_s=min_wait,
-                on_jobs_changed=changed, only_idle_tenants=True,
+                priority=QUIET, on_jobs_changed=changed, only_idle_tenants=True,
             )
         ] if fair_share_slots and s.lanes != "batch" else []  # fmt: skip
         if s.lanes == "interactive":
