@@ -81,7 +81,7 @@ bench-batch: $(BENCH_INSTALLED)
 bench-speculative: $(BENCH_INSTALLED)
 	$(PY) -m bench.speculative_bench $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
-## Fair share between API keys (~8 min): a quiet key's TTFT under another key's flood, FIFO against the fair claim, on one worker and two; the share by request size and by key weight; bench/results/fairness.json.
+## Fair share between API keys (~10 min): a quiet key's TTFT under another key's flood, FIFO against the fair claim, on one worker and two; the share by request size and by key weight; bench/results/fairness.json.
 bench-fairness: $(BENCH_INSTALLED)
 	$(PY) -m bench.fairness_bench $(ARGS)
 

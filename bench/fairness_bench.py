@@ -17,7 +17,7 @@ then, on the fair API and the first point's workers:
   ``--share-s``: the tokens each key was served (from ``/metrics``), whose ratio VTC bounds;
 - **weights**: A (weight 1) and C (weight 3) with the same requests: C's share over A's.
 
-    python -m bench.fairness_bench           # what `make bench-fairness` runs (~8 min on 2 cores)
+    python -m bench.fairness_bench           # what `make bench-fairness` runs (~10 min on 2 cores)
 
 Prints a table and writes ``bench/results/fairness.json``.
 """
@@ -197,7 +197,7 @@ def main() -> None:
     parser.add_argument("--flood", type=int, default=64, help="key A's requests kept in flight")
     parser.add_argument("--flood-tokens", type=int, default=64, help="the answer tokens of each of A's requests")
     parser.add_argument("--warmup-s", type=float, default=5.0, help="A's flood runs this long before B starts")
-    parser.add_argument("--share-s", type=float, default=30.0, help="the window of the sizes and weights phases")
+    parser.add_argument("--share-s", type=float, default=60.0, help="the window of the sizes and weights phases")
     parser.add_argument("--workers", default="1,2", help="the points (each needs as many cores)")
     parser.add_argument("--out", type=Path, default=RESULTS / "fairness.json")
     args = parser.parse_args()
