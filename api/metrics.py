@@ -41,9 +41,10 @@ class ReportedCounter(Collector):
     """A counter kept outside this process (in Redis for the whole deployment, or in each
     worker's heartbeat), copied in on each scrape: ``values`` by label values."""
 
-    def __init__(self, name: str, documentation: str, labels: list[str]) -> None:
+    def __init__(self, name: str, documentation: str, labels: list[str], registry: CollectorRegistry) -> None:
         self._name, self._documentation, self._labels = name, documentation, labels
         self.values: dict[tuple[str, ...], float] = {}
+        registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self._name, self._documentation, labels=self._labels)
@@ -131,8 +132,8 @@ class Metrics:
             "Chat jobs claimed by a worker other than the one they were placed on: the placement window ended, or "
             "that worker was gone, draining or full (deployment-wide: every API process reports the same count)",
             ["model"],
+            registry=r,
         )
-        r.register(self.placement_spills)
         self.queued_prefill = Gauge(
             "relaylm:queue_prefill_tokens",
             "Prompt tokens of the jobs queued per model, by lane (estimated at 4 characters a token before any "
@@ -173,15 +174,17 @@ class Metrics:
         )
         # Speculation, under vLLM's names: tokens drafted and drafted tokens kept, per worker since it started.
         self.spec_draft_tokens = ReportedCounter(
-            "relaylm:spec_decode_num_draft_tokens", "Tokens a worker drafted (n-gram speculation)", worker_labels
+            "relaylm:spec_decode_num_draft_tokens",
+            "Tokens a worker drafted (n-gram speculation)",
+            worker_labels,
+            registry=r,
         )
-        r.register(self.spec_draft_tokens)
         self.spec_accepted_tokens = ReportedCounter(
             "relaylm:spec_decode_num_accepted_tokens",
             "Drafted tokens a worker kept: each was the token sampled at its position",
             worker_labels,
+            registry=r,
         )
-        r.register(self.spec_accepted_tokens)
         self.spec_acceptance_rate = Gauge(
             "relaylm:spec_decode_draft_acceptance_rate",
             "Share of a worker's drafted tokens it kept, since it started",
@@ -201,8 +204,8 @@ class Metrics:
             "relaylm:tenant_served_tokens",
             "Prompt and output tokens served to a tenant's jobs (deployment-wide, since Redis last lost its data)",
             tenant_labels,
+            registry=r,
         )
-        r.register(self.tenant_served)
         self.tenant_rank = Gauge(
             "relaylm:tenant_fair_share_rank",
             "A waiting tenant's place by service: 0 has the least and is served next (within a priority band)",

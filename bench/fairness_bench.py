@@ -31,7 +31,6 @@ import hmac
 import json
 import os
 import re
-import shutil
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -40,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from bench.pinned_workers import start_pinned_workers, worker_points
 from bench.result_file import machine, write_result
 from bench.stats import percentile_ms
 from relaylm.redis_launcher import find_redis_server, start_redis
@@ -152,16 +152,6 @@ async def _contend(base_url: str, sides: dict[str, int], streams: int, seconds: 
     return {name: after.get(_owner(KEYS[name]), 0.0) - before.get(_owner(KEYS[name]), 0.0) for name in sides}
 
 
-def _start_workers(stack: Stack, workers: int) -> bool:
-    can_pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= workers
-    for core in range(workers):
-        pin = ("taskset", "-c", str(core)) if can_pin else ()
-        stack.start_worker(
-            DEFAULT_MODEL, DEFAULT_MODEL, command_prefix=pin, num_threads=1, max_model_len=2048, log_level="WARNING"
-        )
-    return can_pin
-
-
 def _point(redis_url: str, workers: int, args: argparse.Namespace, key_file: Path) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="relaylm-fairness-"))
     fifo = Stack(redis_url=redis_url, log_dir=log_dir)
@@ -170,7 +160,7 @@ def _point(redis_url: str, workers: int, args: argparse.Namespace, key_file: Pat
     try:
         fifo.start_api(fair_share="false", **common)
         fair.start_api(**common)
-        pinned = _start_workers(fifo, workers)
+        pinned = start_pinned_workers(fifo, workers, max_model_len=2048)
         point: dict[str, Any] = {"workers": workers, "pinned": pinned}
         point["solo"] = asyncio.run(_quiet(fair.base_url, args, 0))
         point["flood_fifo"] = asyncio.run(_quiet(fifo.base_url, args, args.flood))
@@ -207,13 +197,10 @@ def main() -> None:
     binary = find_redis_server()
     own = start_redis(binary) if binary else None
     redis_url = own.url if own else os.environ.get("RELAYLM_REDIS_URL", "redis://127.0.0.1:6379/0")
-    points, skipped = [], []
+    points = []
+    fit, skipped = worker_points(args.workers)
     try:
-        for workers in (int(n) for n in args.workers.split(",")):
-            if workers > (os.cpu_count() or 1):
-                print(f"{workers} workers: skipped, this host has {os.cpu_count()} cores", flush=True)
-                skipped.append(workers)
-                continue
+        for workers in fit:
             print(f"{workers} worker(s): solo, flood FIFO, flood fair ...", flush=True)
             points.append(_point(redis_url, workers, args, key_file))
     finally:

@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import tempfile
 import time
@@ -36,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from bench.pinned_workers import start_pinned_workers, worker_points
 from bench.result_file import machine, write_result
 from bench.stats import percentile_ms
 from relaylm.redis_launcher import find_redis_server, start_redis
@@ -162,23 +162,11 @@ def _summary(turns: list[dict[str, Any]], throughput: float | None) -> dict[str,
     }
 
 
-def _start_workers(stack: Stack, workers: int) -> bool:
-    """``workers`` workers of the default model, each pinned to a core of its own when the host
-    has them; whether they are pinned."""
-    can_pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= workers
-    for core in range(workers):
-        pin = ("taskset", "-c", str(core)) if can_pin else ()
-        stack.start_worker(
-            DEFAULT_MODEL, DEFAULT_MODEL, command_prefix=pin, num_threads=1, max_model_len=4096, log_level="WARNING"
-        )
-    return can_pin
-
-
 def _one_worker(redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack(redis_url=redis_url, log_dir=Path(tempfile.mkdtemp(prefix="relaylm-placement-")))
     try:
         stack.start_api(placement_window_s=0, log_level="WARNING")
-        pinned = _start_workers(stack, 1)
+        pinned = start_pinned_workers(stack, 1, max_model_len=4096)
         turns = asyncio.run(_sessions(stack.base_url, range(args.sessions), args.turns, args.seed))
     finally:
         stack.stop()
@@ -196,7 +184,7 @@ def _several_workers(redis_url: str, args: argparse.Namespace, workers: int) -> 
     try:
         off.start_api(placement_window_s=0, log_level="WARNING")
         on.start_api(placement_window_s=args.window_s, log_level="WARNING")
-        pinned = _start_workers(off, workers)
+        pinned = start_pinned_workers(off, workers, max_model_len=4096)
         sessions = args.sessions
         turns_off = asyncio.run(_sessions(off.base_url, range(sessions), args.turns, args.seed))
         turns_on = asyncio.run(_sessions(on.base_url, range(sessions, 2 * sessions), args.turns, args.seed))
@@ -234,17 +222,13 @@ def main() -> None:
     args = parser.parse_args()
 
     binary = find_redis_server()
-    skipped: list[int] = []
     own = start_redis(binary) if binary else None
     redis_url = own.url if own else os.environ.get("RELAYLM_REDIS_URL", "redis://127.0.0.1:6379/0")
     try:
         print("one worker ...", flush=True)
         runs = [_one_worker(redis_url, args)]
-        for workers in (int(n) for n in args.workers.split(",")):
-            if workers > (os.cpu_count() or 1):
-                print(f"{workers} workers: skipped, this host has {os.cpu_count()} cores", flush=True)
-                skipped.append(workers)
-                continue
+        fit, skipped = worker_points(args.workers)
+        for workers in fit:
             print(f"{workers} workers, placement off and on ...", flush=True)
             runs += _several_workers(redis_url, args, workers)
     finally:
