@@ -18,6 +18,7 @@ import contextlib
 import logging
 import uuid
 
+from redis import exceptions as redis_errors
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -65,6 +66,9 @@ class EventRouter:
         # the home channel again (subscribed after, or with, every other channel).
         self._is_renewing = False
         self._num_failed_tries = 0  # since the subscription was last confirmed
+        # A subscription Redis did not confirm in time: the connection is dropped and made again,
+        # to the primary of the moment (it may listen to a server that no longer answers it).
+        self._is_unconfirmed = False
 
     async def start(self) -> None:
         self._reader = asyncio.create_task(self._read_forever(), name="relaylm-event-router")
@@ -85,6 +89,7 @@ class EventRouter:
             await asyncio.wait_for(confirmed, _SUBSCRIBE_TIMEOUT_S)
         except (RedisError, TimeoutError) as exc:
             self._forget(channel)
+            self._is_unconfirmed = self._is_unconfirmed or isinstance(exc, TimeoutError)
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
         return queue
 
@@ -115,11 +120,24 @@ class EventRouter:
                 # subscribes every channel the connection had before the home channel again.
                 await self._subscribe(self._home_channel)
                 await self._read_until_broken()
-            except RedisError as exc:
+            except (RedisError, OSError, TimeoutError) as exc:
                 if not self._is_renewing:
-                    logger.warning("event subscription lost (%s); subscribing again", exc)
-                self._is_renewing = True
+                    logger.warning("event subscription lost (%r); subscribing again", exc)
+                await self._drop_connection()
                 await asyncio.sleep(self._retry_delay_s())
+            except Exception:
+                # Whatever broke it, the reader must go on: without it no stream starts.
+                logger.exception("event subscription failed; subscribing again")
+                await self._drop_connection()
+                await asyncio.sleep(self._retry_delay_s())
+
+    async def _drop_connection(self) -> None:
+        """The next subscribe connects again, to the primary of the moment."""
+        self._is_renewing = True
+        connection = self._pubsub.connection
+        if connection is not None:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await connection.disconnect()
 
     def _retry_delay_s(self) -> float:
         delay_s = min(_RETRY_FIRST_DELAY_S * 2**self._num_failed_tries, _RETRY_MAX_DELAY_S)
@@ -133,6 +151,9 @@ class EventRouter:
             message = await self._pubsub.get_message(timeout=_READ_POLL_S)
             if message is not None:
                 self._route(message)
+            if self._is_unconfirmed:
+                self._is_unconfirmed = False
+                raise redis_errors.ConnectionError("Redis did not confirm a subscription in time")
             if loop.time() - checked_at > _PRIMARY_CHECK_S:
                 checked_at = loop.time()
                 if not await subscription_follows_primary(self._redis, self._pubsub):
