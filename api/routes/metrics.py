@@ -49,7 +49,8 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory, lifecycl
     metrics.placement_spills.values = {(model,): count for model, count in spills.items()}
     drafted: dict[tuple[str, ...], float] = {}
     accepted: dict[tuple[str, ...], float] = {}
-    for record in await directory.model_records():
+    records = await directory.model_records()
+    for record in records:
         workers = await directory.workers(record.model)
         metrics.live_workers.labels(record.model).set(len(workers))
         metrics.queue_depth.labels(record.model).set(await directory.queue_depth(record.model))
@@ -80,7 +81,7 @@ async def refresh_workers(metrics: Metrics, directory: WorkerDirectory, lifecycl
                 metrics.vision_encode_seconds.labels(*labels).set(worker.vision_encode_seconds)
     metrics.spec_draft_tokens.values = drafted
     metrics.spec_accepted_tokens.values = accepted
-    await refresh_shares(metrics, [record.model for record in await directory.model_records()], lifecycle)
+    await refresh_shares(metrics, [record.model for record in records], lifecycle)
 
 
 async def refresh_shares(metrics: Metrics, models: list[str], lifecycle: JobLifecycle) -> None:
