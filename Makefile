@@ -41,8 +41,9 @@ test: $(INSTALLED)
 	# In TEST_PROCESSES processes, each pinned to a core of its own; then the modules marked `alone` (tests/conftest.py).
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile -m "not alone" $(PYTEST_ARGS)
 	$(PY) -m pytest -m alone $(PYTEST_ARGS) || test $$? -eq 5  # 5: PYTEST_ARGS picked none of them
-	# The chat, batch, Responses and fair-share end-to-end suites again, every stack on a 3-primary Redis Cluster.
-	$(PY) -m pytest --redis-cluster $(CLUSTER_SUITES)
+	# The chat, batch, Responses and fair-share end-to-end suites again, every stack on a 3-primary Redis Cluster
+	# (a cluster per test process).
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile --redis-cluster $(CLUSTER_SUITES)
 
 ## The documentation site (docs/, mkdocs.yml) built strict into site/; `make test` builds it too. The settings page is generated: python -m relaylm.settings_page.
 docs: $(INSTALLED)

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 import redis
+from openai.types.audio import TranscriptionVerbose
 
 from api.wire.openai.audio import STREAM_FORMATS
 from tests.conftest import TINY_MODEL, make_stack
@@ -69,6 +70,15 @@ def _transcribe(client: openai.OpenAI, path: Path, model: str = TINY_EN, **param
         return client.audio.transcriptions.create(model=model, file=audio, **params)  # type: ignore[call-overload]
 
 
+@pytest.fixture(scope="module")
+def recording_alone(audio_stack: Stack, recording: tuple[Path, str]) -> TranscriptionVerbose:
+    """The long recording transcribed once by the stack's one whisper-tiny.en worker: the answer
+    the tests that stream it, share it between two workers or kill a worker mid-file compare with."""
+    path, _ = recording
+    assert sum(1 for worker in audio_stack.workers if worker.is_running()) == 3
+    return _transcribe(audio_stack.client(), path, response_format="verbose_json")  # type: ignore[return-value]
+
+
 def _error(exc_info: pytest.ExceptionInfo[openai.APIStatusError]) -> dict[str, object]:
     body = exc_info.value.body
     assert isinstance(body, dict)
@@ -118,14 +128,17 @@ def test_every_response_format(audio_stack: Stack) -> None:
 
 @pytest.mark.parametrize("response_format", STREAM_FORMATS)
 def test_stream_deltas_joined_are_the_done_text_and_the_answer_byte_for_byte(
-    audio_stack: Stack, recording: tuple[Path, str], response_format: str
+    audio_stack: Stack,
+    recording: tuple[Path, str],
+    recording_alone: TranscriptionVerbose,
+    response_format: str,
 ) -> None:
     """A clip of one window, and a recording of several whose window joins are streamed too."""
     client = audio_stack.client()
     long_path, _ = recording
     assert len(read_wav(long_path)) / SAMPLE_RATE > 2 * AUDIO_WINDOW_S
-    for path in (librivox_clips()[3].path, long_path):
-        expected = _transcribe(client, path).text  # type: ignore[attr-defined]
+    clip = librivox_clips()[3].path
+    for path, expected in ((clip, _transcribe(client, clip).text), (long_path, recording_alone.text)):  # type: ignore[attr-defined]
         with path.open("rb") as audio:
             stream = client.audio.transcriptions.create(
                 model=TINY_EN,
@@ -217,10 +230,12 @@ def test_an_english_only_model_refuses_translation_before_any_job(audio_stack: S
         from_folder.stop()
 
 
-def test_two_workers_share_a_long_file_and_agree_with_one(audio_stack: Stack, recording: tuple[Path, str]) -> None:
+def test_two_workers_share_a_long_file_and_agree_with_one(
+    audio_stack: Stack, recording: tuple[Path, str], recording_alone: TranscriptionVerbose
+) -> None:
     path, transcript = recording
     client = audio_stack.client()
-    alone = _transcribe(client, path).text  # type: ignore[attr-defined]
+    alone = recording_alone.text
     errors, words = word_errors(transcript, alone)
     assert errors / words <= 0.10
     before = {index: worker.log().count("picked") for index, worker in enumerate(audio_stack.workers)}
@@ -243,10 +258,12 @@ def _running_window(stack: Stack) -> str | None:
     return next((job_id for job_id in running if re.fullmatch(r"trsc-\w+-w\d+", job_id)), None)
 
 
-def test_a_worker_killed_mid_file_changes_nothing(audio_stack: Stack, recording: tuple[Path, str]) -> None:
+def test_a_worker_killed_mid_file_changes_nothing(
+    audio_stack: Stack, recording: tuple[Path, str], recording_alone: TranscriptionVerbose
+) -> None:
     path, _ = recording
     client = audio_stack.client()
-    undisturbed = _transcribe(client, path, response_format="verbose_json")
+    undisturbed = recording_alone
     victim = audio_stack.start_worker(TINY_EN, TINY_EN, num_threads=1)
     killed: list[str] = []
 
