@@ -8,11 +8,14 @@ A job is a Redis hash (``RedisKeys.job``) plus its event log and live channel::
     queued | running ──end──▶ failed | cancelled | expired   (decided by an API process)
 
 Every transition is one Lua script, so it is atomic. ``claim`` gives the claiming worker a new
-**epoch**; every write a worker makes afterwards (``append``, ``requeue``) names that epoch and is
-refused once the job has moved on (taken over, cancelled, ended), so a paused or restarted
-worker can never write into a job it no longer owns. An ending transition always appends the
-job's final event (``end`` or ``error``) to its log in the same step: a reader that sees a
-final state finds the final event, and a stream reader waiting on the channel receives it.
+**epoch**; every write a worker makes afterwards (``append``, ``requeue``) names that epoch, and
+the worker process's instance, and is refused once the job has moved on (taken over, cancelled,
+ended), so a paused or restarted worker can never write into a job it no longer owns. The
+instance matters after a Redis failover: a promoted replica that never saw a claim hands the job
+out again under the same epoch number, and only the new claimer's writes may land. An ending
+transition always appends the job's final event (``end`` or ``error``) to its log in the same
+step: a reader that sees a final state finds the final event, and a stream reader waiting on the
+channel receives it.
 
 Events carry sequence numbers; the hash keeps ``next_seq``, and ``append`` accepts only the next
 one (earlier ones are duplicates of a retried write and skipped; a later one is a gap the writer
@@ -293,14 +296,16 @@ return 1
 
 # KEYS: job, log, channel, all running jobs. ARGV: epoch, final state ('' if not final), log TTL
 # (s), job id, now (ms), max log length, output tokens the events carry (charged to the job's
-# tenant), then seq/payload pairs. Returns {1, next_seq} (written), {0, -1} (refused: not this
-# epoch's any more) or {2, next_seq} (a gap: resend from next_seq).
+# tenant), the writer's instance ('' for any), then seq/payload pairs. Returns {1, next_seq}
+# (written), {0, -1} (refused: not this claim's any more) or {2, next_seq} (a gap: resend from
+# next_seq).
 _APPEND = f"""
-local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue', 'tenant_jobs', 'share', 'weight')
-if f[1] ~= 'running' or f[2] ~= ARGV[1] then return {{0, -1}} end
+local f = redis.call(
+    'HMGET', KEYS[1], 'state', 'epoch', 'next_seq', 'queue', 'tenant_jobs', 'share', 'weight', 'owner_instance')
+if f[1] ~= 'running' or f[2] ~= ARGV[1] or (ARGV[8] ~= '' and f[8] ~= ARGV[8]) then return {{0, -1}} end
 if f[6] then fair_charge(f[4], f[6], tonumber(ARGV[7]), {fair_share.OUTPUT_TOKEN_COST}, tonumber(f[7] or '1')) end
 local next_seq = tonumber(f[3])
-for i = 8, #ARGV, 2 do
+for i = 9, #ARGV, 2 do
     local seq = tonumber(ARGV[i])
     if seq > next_seq then
         redis.call('HSET', KEYS[1], 'next_seq', next_seq)
@@ -323,11 +328,12 @@ end
 return {{1, next_seq}}
 """
 
-# KEYS: job, all running jobs. ARGV: epoch, job id, now (ms). A running job goes back to the
-# front of its queue (its client is waiting). Returns 1, or 0 when the epoch is not current.
+# KEYS: job, all running jobs. ARGV: epoch, job id, now (ms), the owner's instance ('' for any).
+# A running job goes back to the front of its queue (its client is waiting). Returns 1, or 0 when
+# the claim is not current.
 _REQUEUE = """
-local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'queue', 'wake', 'share', 'rank_base')
-if f[1] ~= 'running' or f[2] ~= ARGV[1] then return 0 end
+local f = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'queue', 'wake', 'share', 'rank_base', 'owner_instance')
+if f[1] ~= 'running' or f[2] ~= ARGV[1] or (ARGV[4] ~= '' and f[7] ~= ARGV[4]) then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'queued', 'updated_ms', ARGV[3])
 -- Its placement is over: whichever worker asks first continues it.
 redis.call('HDEL', KEYS[1], 'owner', 'owner_instance', 'preferred')
@@ -444,6 +450,7 @@ class Claim:
     payload: bytes
     prefix_keys: tuple[str, ...] = ()  # its placement keys, now in the claimer's held set
     claimed_ms: int = 0  # their score there
+    instance: str = ""  # the claiming worker process: with the epoch, what its writes are fenced by
 
 
 @dataclass(frozen=True)
@@ -574,7 +581,9 @@ class JobLifecycle:
             return NotYet(ready_in_s=max(0.0, float(reply[0]) / 1000))
         job_id, epoch, attempt, next_seq, payload, placement = reply
         prefix_keys = tuple(as_bytes(placement).decode().split())
-        return Claim(job_id.decode(), int(epoch), int(attempt), int(next_seq), bytes(payload), prefix_keys, now)
+        return Claim(
+            job_id.decode(), int(epoch), int(attempt), int(next_seq), bytes(payload), prefix_keys, now, instance
+        )
 
     async def release_prefix_keys(self, worker_id: str, instance: str, released: Sequence[tuple[str, int]]) -> None:
         """The worker process holds these prefix keys no more (its prefix cache let their prompts
@@ -592,6 +601,15 @@ class JobLifecycle:
                 pipe.hmget(self._keys.job(job_id), _FIELDS)
             replies = await pipe.execute()
         return {job_id: JobRecord.parse(job_id, values) for job_id, values in zip(job_ids, replies, strict=True)}
+
+    async def running_records(self, queues: list[str]) -> list[JobRecord]:
+        """The jobs claimed from ``queues`` and not yet ended."""
+        job_ids: list[str] = []
+        for queue in queues:
+            job_ids += [
+                as_bytes(raw).decode() for raw in await self._redis.zrange(self._keys.queue_running(queue), 0, -1)
+            ]
+        return [record for record in (await self.records(job_ids)).values() if record is not None]
 
     async def stored(self, job_id: str) -> StoredJob | None:
         """The job's request payload and the API's delivery options, as created."""
@@ -641,10 +659,11 @@ class JobLifecycle:
         entries = await self._redis.xrange(self._keys.job_event_log(job_id), min=f"{max(from_seq, 0)}-1")
         return log_events(entries)
 
-    async def requeue(self, job_id: str, epoch: int) -> bool:
-        """Back to the front of its queue: its owner (of ``epoch``) died or handed it back."""
+    async def requeue(self, job_id: str, epoch: int, instance: str = "") -> bool:
+        """Back to the front of its queue: its owner (of ``epoch``, and of ``instance`` if named)
+        died or handed it back."""
         replied = await self._requeue(
-            keys=[self._keys.job(job_id), self._keys.running_jobs()], args=[epoch, job_id, now_ms()]
+            keys=[self._keys.job(job_id), self._keys.running_jobs()], args=[epoch, job_id, now_ms(), instance]
         )
         return bool(replied)
 
@@ -655,7 +674,7 @@ class JobLifecycle:
             message = f"job {record.job_id} lost its worker {record.attempts} times; giving up"
             ended = await self.end(record.job_id, JobState.FAILED, ErrorKind.WORKER_LOST, message, record.epoch)
             return JobState.FAILED if ended else None
-        return JobState.QUEUED if await self.requeue(record.job_id, record.epoch) else None
+        return JobState.QUEUED if await self.requeue(record.job_id, record.epoch, record.owner_instance or "") else None
 
     async def end(
         self,
@@ -758,6 +777,7 @@ class AppendRequest:
     events: list[tuple[int, bytes]]
     final_state: JobState | None
     num_tokens: int = 0  # output tokens the events carry (charged to the job's tenant)
+    instance: str = ""  # the claiming worker process ('' writes under the epoch alone)
 
 
 class EventAppender:
@@ -792,6 +812,7 @@ class EventAppender:
             final = request.final_state.value if request.final_state is not None else ""
             args: list[str | int | bytes] = [
                 request.epoch, final, JOB_LOG_TTL_S, job_id, now, JOB_LOG_MAX_EVENTS, request.num_tokens,
+                request.instance,
             ]  # fmt: skip
             for seq, payload in request.events:
                 args += [seq, payload]

@@ -178,6 +178,27 @@ async def test_a_requeued_job_refuses_its_old_owner_and_goes_to_the_next_one(env
     assert not await lifecycle.requeue("j1", old.epoch)
 
 
+async def test_a_claim_a_failover_lost_fences_its_owner_out_when_another_makes_it_again(env) -> None:  # type: ignore[no-untyped-def]
+    # The promoted replica never saw w1's claim: the job is queued there with the epoch it had
+    # before, so w2's claim gets the same epoch number. Only w2's process may write or hand it back.
+    lifecycle, appender, keys = env
+    await _queued(lifecycle, keys)
+    lost = await lifecycle.claim(keys.queue("m"), "w1", "i1")
+    assert isinstance(lost, Claim) and lost.instance == "i1"
+    assert await lifecycle.requeue("j1", lost.epoch, "i1")
+    await lifecycle._redis.hset(keys.job("j1"), mapping={"epoch": lost.epoch - 1, "attempts": lost.attempt - 1})
+    again = await lifecycle.claim(keys.queue("m"), "w2", "i2")
+    assert isinstance(again, Claim) and (again.epoch, again.instance) == (lost.epoch, "i2")
+    [refused] = appender.append([AppendRequest("j1", lost.epoch, _encoded(START), None, instance="i1")])
+    assert refused.status is AppendStatus.REFUSED
+    [written] = appender.append([AppendRequest("j1", again.epoch, _encoded(START), None, instance="i2")])
+    assert written.status is AppendStatus.WRITTEN
+    assert not await lifecycle.requeue("j1", lost.epoch, "i1")
+    record = await lifecycle.record("j1")
+    assert record is not None and record.state is JobState.RUNNING and record.owner_instance == "i2"
+    assert await lifecycle.requeue("j1", again.epoch, "i2")
+
+
 async def test_reclaim_fails_a_job_after_its_last_attempt_with_a_final_event(env) -> None:  # type: ignore[no-untyped-def]
     lifecycle, _, keys = env
     await _queued(lifecycle, keys)

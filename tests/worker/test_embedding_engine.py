@@ -27,12 +27,12 @@ def _run_engine(submit: list[EmbeddingWork], aborts: dict[str, ErrorKind | None]
     outputs: queue.Queue[RequestOutput] = queue.Queue()
     embedder = LoadedEmbedder(_FailingModel(), None, "mean", True, 16, 4, "failing")  # type: ignore[arg-type]
     engine = EmbeddingEngine(embedder, lambda batch: [outputs.put(output) for output in batch])
-    thread = threading.Thread(target=engine.run_forever, daemon=True)
-    thread.start()
-    for request_id, kind in aborts.items():
-        engine.abort(request_id, kind, "stopping")
     for work in submit:
         engine.submit(work)
+    for request_id, kind in aborts.items():  # before the loop starts: each finds its unit waiting
+        engine.abort(request_id, kind, "stopping")
+    thread = threading.Thread(target=engine.run_forever, daemon=True)
+    thread.start()
     ended = [outputs.get(timeout=10) for _ in submit]
     engine.stop()
     thread.join(timeout=5)
@@ -49,6 +49,26 @@ def test_aborted_requests_end_with_their_error_or_silently_when_cancelled() -> N
     assert ended[0].events == []
     assert isinstance(ended[1].events[-1], ErrorEvent)
     assert ended[1].events[-1].kind is ErrorKind.WORKER_SHUTTING_DOWN
+
+
+def test_an_abort_leaves_alone_units_that_ended_and_units_submitted_after_it() -> None:
+    outputs: queue.Queue[RequestOutput] = queue.Queue()
+    embedder = LoadedEmbedder(_FailingModel(), None, "mean", True, 16, 4, "failing")  # type: ignore[arg-type]
+    engine = EmbeddingEngine(embedder, lambda batch: [outputs.put(output) for output in batch])
+    thread = threading.Thread(target=engine.run_forever, daemon=True)
+    thread.start()
+    try:
+        engine.submit(_work("a"))
+        first = outputs.get(timeout=10)
+        engine.abort("a", None, "too late")  # "a" ended: nothing to stop
+        engine.submit(_work("a"))  # the same job claimed again
+        again = outputs.get(timeout=10)
+    finally:
+        engine.stop()
+        thread.join(timeout=5)
+    for output in (first, again):  # each ran (and met the failing model), neither was stopped silently
+        assert output.is_done and isinstance(output.events[-1], ErrorEvent)
+        assert output.events[-1].kind is ErrorKind.INTERNAL
 
 
 def test_a_failed_batch_ends_each_of_its_requests_with_an_internal_error() -> None:

@@ -166,13 +166,20 @@ def test_a_request_added_again_replaces_its_earlier_attempt_and_others_go_on(
     assert engine.num_running == 0
 
 
-def test_an_abort_that_arrives_before_its_request_still_applies(tiny: tuple[torch.nn.Module, object]) -> None:
+def test_an_abort_names_only_the_request_submitted_before_it(tiny: tuple[torch.nn.Module, object]) -> None:
+    # A job whose writes were refused is aborted after its request ended; the same job claimed
+    # again later must run, not meet that stale abort.
     engine, collector = _engine(tiny)
-    engine.abort("early")
+    engine.submit(EngineRequest("job", [[1, 2, 3]], _greedy(4)))
+    _drain(engine, collector, {"job"})
+    engine.abort("job")
     engine.run_step()
-    engine.submit(EngineRequest("early", [[1, 2, 3]], _greedy(50)))
-    engine.run_step()
-    assert "early" in collector.done and engine.num_running == 0
+    collector.done.discard("job")
+    again = EngineRequest("job", [[1, 2, 3]], _greedy(4))
+    engine.submit(again)
+    _drain(engine, collector, {"job"})
+    assert again.sequences[0].output_token_ids == _solo_tokens(tiny, [1, 2, 3], 4)
+    assert engine.num_running == 0
 
 
 def test_the_memory_budget_caps_concurrency_by_tokens(tiny: tuple[torch.nn.Module, object]) -> None:

@@ -1,25 +1,31 @@
-"""JobRunner against a real Redis: a job its worker cannot prepare still ends with an error event.
+"""JobRunner against a real Redis: a job its worker cannot prepare still ends with an error event;
+a job claimed again while it runs here (a failover) runs once and ends; a job cancelled before it
+reached the engine never does.
 
-The handler here is a stand-in that fails on purpose (a real one fails this way only through a
-bug); the Redis, publisher and event log are the real ones.
+The handlers and engines here are stand-ins (one fails on purpose, one records what it is given
+and lets the test play the engine's last step); the Redis, publisher and event log are real.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
 from shared.contract import CONTRACT_VERSION, AnyJob, ChatJob, Generate, Message, encode_job
 from shared.errors import ErrorKind, RelayError
-from shared.events import ErrorEvent
+from shared.events import AnyEvent, EndEvent, ErrorEvent, StartEvent, UsageCounts
 from shared.job_lifecycle import Claim, JobLifecycle, JobState
 from shared.redis import RedisTarget
 from shared.redis_keys import RedisKeys
+from worker.engine.engine import RequestOutput
 from worker.kinds.base import JobInputs
-from worker.service.job_runner import CONTRACT_GRACE_S, JobRunner
+from worker.service.job_runner import CONTRACT_GRACE_S, JobRunner, _Run
 from worker.service.publisher import EventPublisher
 
 MODEL = "runner-model"
@@ -152,8 +158,10 @@ async def _refused_writes(redis: Redis, redis_url: str, before: str) -> tuple[Jo
     handler = _Handler()
     publisher = EventPublisher(RedisTarget(redis_url), keys)
     runner = JobRunner(lifecycle, "worker-a", MODEL, handler, publisher, 60.0)  # type: ignore[arg-type]
+    run = _Run(claim, publisher.expect(job_id, claim.epoch), submitted=True)  # its request is in the engine
+    runner._runs[job_id] = run
     try:
-        await runner._settle_loss(claim, None)
+        await runner._settle_loss(run)
     finally:
         publisher.close()
     return lifecycle, job_id, handler.engine.aborted
@@ -176,3 +184,125 @@ async def test_writes_refused_after_a_cancel_or_a_takeover_leave_the_job_alone(r
     record = await lifecycle.record(job_id)
     assert record is not None and record.state is JobState.RUNNING and record.owner == "worker-b"
     assert aborted == []
+
+
+@dataclass
+class _Work:
+    """What a handler hands the engine: enough for the runner to submit and report it."""
+
+    request_id: str
+    start_event: StartEvent | None = None
+    priority: int = 0
+    num_prompt_tokens: int = 3
+    num_completion_tokens: int = 0
+
+
+class _RecordingEngine:
+    """Records what it is given; the test plays the engine's part by writing through the sink."""
+
+    def __init__(self) -> None:
+        self.submitted: list[_Work] = []
+        self.aborted: list[str] = []
+
+    def submit(self, work: _Work) -> None:
+        self.submitted.append(work)
+
+    def abort(self, job_id: str, *args: object) -> None:
+        self.aborted.append(job_id)
+
+
+class _WorkHandler:
+    """Prepares every job into a ``_Work``, once ``ready`` is set."""
+
+    def __init__(self) -> None:
+        self.engine = _RecordingEngine()
+        self.ready = asyncio.Event()
+        self.ready.set()
+
+    async def prepare(self, job: AnyJob, inputs: JobInputs) -> _Work:
+        await self.ready.wait()
+        return _Work(job.job_id)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")
+
+
+def _finish(publisher: EventPublisher, job_id: str, first_seq: int) -> None:
+    """The engine's last step for the job: its start event (when first) and its end."""
+    events: list[AnyEvent] = [StartEvent(seq=0, worker_id="worker-a", prompt_tokens=3)] if first_seq == 0 else []
+    events.append(EndEvent(seq=max(first_seq, 1), usage=UsageCounts(prompt_tokens=3, completion_tokens=0)))
+    publisher.sink([RequestOutput(job_id, events, True)])
+
+
+def _runner(
+    redis_url: str, keys: RedisKeys, lifecycle: JobLifecycle
+) -> tuple[JobRunner[_Work], _WorkHandler, EventPublisher]:
+    handler = _WorkHandler()
+    publisher = EventPublisher(RedisTarget(redis_url), keys)
+    return JobRunner(lifecycle, "worker-a", MODEL, handler, publisher, 60.0), handler, publisher  # type: ignore[arg-type]
+
+
+async def test_a_job_claimed_again_under_its_epoch_goes_on_in_the_run_under_way(redis: Redis, redis_url: str) -> None:
+    # A promoted replica that never saw the claim hands the same job to the same worker, under
+    # the same epoch: one run, one engine request, and the job ends.
+    keys, lifecycle, claim = await _claimed_chat_job(redis)
+    runner, handler, publisher = _runner(redis_url, keys, lifecycle)
+    try:
+        first = asyncio.create_task(runner.run(claim))
+        await _until(lambda: len(handler.engine.submitted) == 1)
+        await asyncio.wait_for(runner.run(claim), 5)  # returns at once: nothing new to start
+        assert len(handler.engine.submitted) == 1 and handler.engine.aborted == []
+        _finish(publisher, claim.job_id, 0)
+        await asyncio.wait_for(first, 5)
+    finally:
+        publisher.close()
+    record = await lifecycle.record(claim.job_id)
+    assert record is not None and record.state is JobState.FINISHED
+    assert runner.active_job_ids == []
+
+
+async def test_a_job_claimed_again_under_a_new_epoch_replaces_the_earlier_run(redis: Redis, redis_url: str) -> None:
+    # The earlier run stops its engine request and goes, without forgetting, aborting or
+    # handing back what the newer run now owns: the newer run's events end the job.
+    keys, lifecycle, claim = await _claimed_chat_job(redis)
+    runner, handler, publisher = _runner(redis_url, keys, lifecycle)
+    try:
+        first = asyncio.create_task(runner.run(claim))
+        await _until(lambda: len(handler.engine.submitted) == 1)
+        assert await lifecycle.requeue(claim.job_id, claim.epoch)
+        again = await lifecycle.claim("q", "worker-a", "instance-a")
+        assert isinstance(again, Claim) and again.epoch == claim.epoch + 1
+        second = asyncio.create_task(runner.run(again))
+        await asyncio.wait_for(first, 5)  # replaced: it ends without the job ending
+        await _until(lambda: len(handler.engine.submitted) == 2)
+        assert handler.engine.aborted == [claim.job_id]  # the earlier request, queued before the newer one
+        assert runner.active_job_ids == [claim.job_id]
+        _finish(publisher, claim.job_id, again.next_seq)
+        await asyncio.wait_for(second, 5)
+    finally:
+        publisher.close()
+    record = await lifecycle.record(claim.job_id)
+    assert record is not None and record.state is JobState.FINISHED and record.epoch == again.epoch
+    assert runner.active_job_ids == []
+
+
+async def test_a_job_cancelled_while_it_is_prepared_never_reaches_the_engine(redis: Redis, redis_url: str) -> None:
+    keys, lifecycle, claim = await _claimed_chat_job(redis)
+    runner, handler, publisher = _runner(redis_url, keys, lifecycle)
+    handler.ready.clear()
+    try:
+        run = asyncio.create_task(runner.run(claim))
+        await _until(lambda: runner.active_job_ids == [claim.job_id])
+        runner.cancel(claim.job_id)
+        handler.ready.set()
+        await asyncio.wait_for(run, 5)
+    finally:
+        publisher.close()
+    # An abort sent now would find nothing to stop, and would not stop this job claimed again.
+    assert handler.engine.submitted == [] and handler.engine.aborted == []
+    assert runner.active_job_ids == []

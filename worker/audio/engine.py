@@ -103,7 +103,7 @@ class TranscriptionEngine(InboxEngine[TranscriptionWork]):
         segments, info = self._transcribe(work)
         num_segments = 0
         for index, segment in enumerate(segments):
-            abort = self.aborted(work.request_id)
+            abort = self.aborted(work)
             if abort is not None:
                 self._end(work, *abort)
                 return

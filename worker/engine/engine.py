@@ -12,7 +12,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,7 +35,6 @@ from worker.engine.sequence import EngineRequest, Sequence
 logger = logging.getLogger(__name__)
 
 # Aborts that arrive before their request (a client leaving while the job starts) are remembered.
-_MAX_EARLY_ABORTS = 1024
 # How often the placement keys of ended jobs are checked against the prefix cache, at most.
 _HELD_CHECK_S = 1.0
 
@@ -95,7 +93,6 @@ class LLMEngine:
         self.num_accepted_tokens = 0
         self._sink = sink
         self._requests: dict[str, EngineRequest] = {}
-        self._early_aborts: OrderedDict[str, _Abort] = OrderedDict()
         self._outbox: dict[str, RequestOutput] = {}  # this step's events per request, in order
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_token)  # for logprobs
         self._inbox: queue.SimpleQueue[EngineRequest | _Abort] = queue.SimpleQueue()
@@ -113,7 +110,9 @@ class LLMEngine:
         self._wake.set()
 
     def abort(self, request_id: str, kind: ErrorKind | None = None, message: str = "") -> None:
-        """Stop a request; with ``kind`` its stream ends with that error, without it silently."""
+        """Stop a request submitted before this call; with ``kind`` its stream ends with that
+        error, without it silently. A request that already ended is left alone, and so is one
+        submitted later under the same id (the same job claimed again)."""
         self._inbox.put(_Abort(request_id, kind, message))
         self._wake.set()
 
@@ -361,10 +360,6 @@ class LLMEngine:
             self._forget(earlier)
         self._requests[request.request_id] = request
         self.held.started(request)
-        early_abort = self._early_aborts.pop(request.request_id, None)
-        if early_abort is not None:
-            self._abort_request(early_abort)
-            return
         if request.start_event is not None:
             self._emit(request.request_id, request.start_event)
         if request.images is not None and not self._encode_images(request):
@@ -410,10 +405,7 @@ class LLMEngine:
     def _abort_request(self, command: _Abort) -> None:
         request = self._requests.get(command.request_id)
         if request is None:
-            self._early_aborts[command.request_id] = command
-            while len(self._early_aborts) > _MAX_EARLY_ABORTS:
-                self._early_aborts.popitem(last=False)
-            return
+            return  # it already ended: an abort names the request submitted before it, if any
         self._release(request)
         self._forget(request)
         error = None

@@ -39,7 +39,9 @@ class InboxEngine(Generic[U]):
     def __init__(self, sink: Callable[[list[RequestOutput]], None], max_running: int) -> None:
         self._sink = sink
         self._inbox: queue.Queue[U] = queue.Queue()
-        self._aborted: dict[str, Abort] = {}
+        self._lock = threading.Lock()
+        self._live: dict[str, list[U]] = {}  # units submitted and not yet ended, per request id
+        self._aborted: dict[int, Abort] = {}  # by id() of a live unit
         self._stopping = threading.Event()
         self._num_running = 0
         self.max_running = max_running
@@ -47,12 +49,17 @@ class InboxEngine(Generic[U]):
 
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, work: U) -> None:
+        with self._lock:
+            self._live.setdefault(work.request_id, []).append(work)
         self._inbox.put(work)
 
     def abort(self, request_id: str, kind: ErrorKind | None = None, message: str = "") -> None:
-        """Stop a unit (before it runs, or at its next chance); with ``kind`` its stream ends
-        with that error, without it silently."""
-        self._aborted[request_id] = (kind, message)
+        """Stop the units submitted before this call (before they run, or at their next
+        chance); with ``kind`` the stream ends with that error, without it silently. Units that
+        already ended are left alone, and so are units submitted later under the same id."""
+        with self._lock:
+            for work in self._live.get(request_id, []):
+                self._aborted[id(work)] = (kind, message)
 
     def load(self) -> tuple[int, int, float, float]:
         """Running and waiting units; these engines keep no prefix or KV cache."""
@@ -79,7 +86,7 @@ class InboxEngine(Generic[U]):
             live: list[U] = []
             try:
                 for work in works:
-                    abort = self._aborted.get(work.request_id)
+                    abort = self.aborted(work)
                     if abort is None:
                         live.append(work)
                     else:
@@ -91,13 +98,18 @@ class InboxEngine(Generic[U]):
                 for work in live:
                     self._end(work, ErrorKind.INTERNAL, self.failure_message)
             finally:
-                for work in works:
-                    self._aborted.pop(work.request_id, None)
+                with self._lock:
+                    for work in works:
+                        others = [unit for unit in self._live.pop(work.request_id, []) if unit is not work]
+                        if others:
+                            self._live[work.request_id] = others
+                        self._aborted.pop(id(work), None)
                 self._num_running = 0
 
-    def aborted(self, request_id: str) -> Abort | None:
+    def aborted(self, work: U) -> Abort | None:
         """Why a running unit should stop now, if it should."""
-        return self._aborted.get(request_id)
+        with self._lock:
+            return self._aborted.get(id(work))
 
     def _gather(self, first: U) -> list[U]:
         """The units of one run (by default the first alone)."""

@@ -5,6 +5,12 @@ Every way out leaves the job in a final state or back in its queue: its final ev
 when the worker stops before the job ends, handed back to the front of the queue so another
 worker continues it from the tokens already sent.
 
+A worker can be handed a job it already runs: during a Redis failover, a promoted replica that
+never saw the claim gives the job out again. Under the same epoch it is the same claim seen
+through the new primary, and the run already under way goes on (its publisher refills the log
+the new primary lacks); under another epoch the new claim replaces the run of the older one, which stops
+without touching the job, the engine or the publisher again.
+
 A job written in a newer contract version than this worker reads (an upgrade under way) is
 left in its queue for a worker that reads it, and the worker's consumers pause briefly so they
 do not take it straight back; a job that no worker has taken for ``CONTRACT_GRACE_S`` fails
@@ -18,6 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic
 
 from redis.exceptions import RedisError
@@ -39,6 +46,18 @@ _HAND_BACK_RETRY_S = 1.0
 _HAND_BACK_TRIES = 10
 # How long a job in a contract version this worker cannot read waits for a worker that can.
 CONTRACT_GRACE_S = 60.0
+
+
+@dataclass
+class _Run:
+    """One claim being worked on here; the runner's side effects on its job are this run's only
+    while it is the job's current run."""
+
+    claim: Claim
+    done: asyncio.Future[PublishOutcome]
+    request_id: str | None = None
+    submitted: bool = False  # its work is in the engine
+    cancelled: bool = False  # its client left before the work reached the engine
 
 
 class JobRunner(Generic[W]):
@@ -63,35 +82,56 @@ class JobRunner(Generic[W]):
         self._engine = handler.engine
         self._publisher = publisher
         self._job_timeout_s = job_timeout_s
-        self._request_ids: dict[str, str | None] = {}
+        self._runs: dict[str, _Run] = {}
         self._on_job_left = on_job_left or (lambda: None)
 
     @property
     def active_job_ids(self) -> list[str]:
-        return list(self._request_ids)
+        return list(self._runs)
 
     def cancel(self, job_id: str) -> None:
         """The job was cancelled (its client went away): stop generating, send nothing more."""
-        if job_id in self._request_ids:
-            log_transition(logger, "cancelled", job_id, self._request_ids.get(job_id), by="client")
+        run = self._runs.get(job_id)
+        if run is None:
+            return
+        log_transition(logger, "cancelled", job_id, run.request_id, by="client")
+        run.cancelled = True
+        if run.submitted:  # an abort names work already in the engine; earlier, the run never submits
             self._engine.abort(job_id)
+
+    def _is_current(self, run: _Run) -> bool:
+        return self._runs.get(run.claim.job_id) is run
 
     async def run(self, claim: Claim, priority: int = 0) -> None:
         """``priority``: 0 for the interactive queue's jobs, 1 for the batch queue's (a job's own
         priority, if higher, wins), -1 for a job in a slot kept for quiet API keys (it wins)."""
         job_id = claim.job_id
-        self._request_ids[job_id] = None
-        done = self._publisher.expect(job_id, claim.epoch)
+        earlier = self._runs.get(job_id)
+        if earlier is not None and self._publisher.is_publishing(job_id, claim.epoch, claim.instance):
+            logger.warning(
+                "job %s: claimed again under epoch %d while it runs here (a promoted replica had not seen "
+                "the claim); the run under way goes on", job_id, claim.epoch,
+            )  # fmt: skip
+            return
+        if earlier is not None:
+            logger.warning("job %s: claimed again under epoch %d; its older run here stops", job_id, claim.epoch)
+            if earlier.submitted:
+                self._engine.abort(job_id)  # queued before the new attempt, so it stops the earlier one
+        run = _Run(claim, self._publisher.expect(job_id, claim.epoch, claim.instance))  # the older run's: replaced
+        self._runs[job_id] = run
         try:
-            await self._run(claim, priority, done)
+            await self._run(run, priority)
         except asyncio.CancelledError:
-            await asyncio.shield(self._hand_back(claim))
+            if self._is_current(run):
+                await asyncio.shield(self._hand_back(run))
             raise
         finally:
-            self._publisher.forget(job_id)
-            self._request_ids.pop(job_id, None)
+            if self._is_current(run):
+                self._publisher.forget(job_id)
+                del self._runs[job_id]
 
-    async def _run(self, claim: Claim, priority: int, done: asyncio.Future[PublishOutcome]) -> None:
+    async def _run(self, run: _Run, priority: int) -> None:
+        claim = run.claim
         job_id = claim.job_id
         try:
             job = decode_job(claim.payload)
@@ -102,39 +142,44 @@ class JobRunner(Generic[W]):
             logger.error("job %s: refused a request payload that is not a job (%s)", job_id, exc)
             await self._end_with(claim, RelayError(ErrorKind.INVALID_REQUEST, "The job's request is unreadable."))
             return
-        request_id = self._request_ids[job_id] = job.request_id
+        request_id = run.request_id = job.request_id
         log_transition(logger, "picked", job_id, request_id, worker=self._worker_id, attempt=claim.attempt)
         try:
             if job.request.model != self._model_id:
                 raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
             prepared = await self._handler.prepare(job, JobInputs(self._lifecycle, claim))
         except Exception as exc:
-            await self._end_with(claim, self._refusal(exc, job_id, request_id))
+            if self._is_current(run):
+                await self._end_with(claim, self._refusal(exc, job_id, request_id))
             return
+        if run.cancelled or not self._is_current(run):
+            return  # its client left, or a newer claim of the job replaced this run, while it was prepared
         if isinstance(prepared, Answer):
-            await self._answer(claim, request_id, prepared, done)
+            await self._answer(run, prepared)
             return
         work = prepared
         work.priority = priority if priority < 0 else max(priority, work.priority)
         if claim.next_seq == 0:
             work.start_event = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=work.num_prompt_tokens)
         self._engine.submit(work)
+        run.submitted = True
         log_transition(logger, "started", job_id, request_id, prompt_tokens=work.num_prompt_tokens)
-        outcome = await self._wait(job_id, request_id, done)
+        outcome = await self._wait(run)
+        if outcome is PublishOutcome.REPLACED or not self._is_current(run):
+            return  # the engine stops this attempt when the newer one arrives; nothing else is ours
         if outcome is PublishOutcome.LOST:
             self._engine.abort(job_id)
-            await self._settle_loss(claim, request_id)
+            await self._settle_loss(run)
             return
         log_transition(logger, "finished", job_id, request_id, completion_tokens=work.num_completion_tokens)
 
-    async def _answer(
-        self, claim: Claim, request_id: str | None, answer: Answer, done: asyncio.Future[PublishOutcome]
-    ) -> None:
+    async def _answer(self, run: _Run, answer: Answer) -> None:
         """A job answered without the engine: its start event, then the answer's events."""
+        claim = run.claim
         start = StartEvent(seq=0, worker_id=self._worker_id, prompt_tokens=answer.num_prompt_tokens)
         await self._publisher.publish(RequestOutput(claim.job_id, [start, *answer.events], True))
-        await self._wait(claim.job_id, request_id, done)
-        log_transition(logger, "answered", claim.job_id, request_id, tokens=answer.num_prompt_tokens)
+        await self._wait(run)
+        log_transition(logger, "answered", claim.job_id, run.request_id, tokens=answer.num_prompt_tokens)
 
     async def _leave(self, claim: Claim, version: int) -> None:
         """A job in a newer contract version: back to its queue for a worker that reads it, or,
@@ -150,58 +195,76 @@ class JobRunner(Generic[W]):
             await self._end_with(claim, RelayError(ErrorKind.NO_LIVE_WORKER, message, "model"))
             return
         try:
-            left = await self._lifecycle.requeue(claim.job_id, claim.epoch)
+            left = await self._lifecycle.requeue(claim.job_id, claim.epoch, claim.instance)
         except RedisError:
             left = False  # the job is reclaimed once this worker's lease on it lapses
         log_transition(logger, "left", claim.job_id, None, version=version, requeued=left)
         self._on_job_left()
 
-    async def _wait(self, job_id: str, request_id: str | None, done: asyncio.Future[PublishOutcome]) -> PublishOutcome:
-        """The job's outcome; past the job timeout it is aborted with ``job_timeout``."""
+    async def _wait(self, run: _Run) -> PublishOutcome:
+        """The run's outcome; past the job timeout it is aborted with ``job_timeout``."""
+        job_id = run.claim.job_id
         try:
-            return await asyncio.wait_for(asyncio.shield(done), self._job_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(run.done), self._job_timeout_s)
         except TimeoutError:
+            if not self._is_current(run):
+                return PublishOutcome.REPLACED
             message = f"The job ran longer than the worker's job timeout ({self._job_timeout_s:.0f} s)."
             self._engine.abort(job_id, ErrorKind.JOB_TIMEOUT, message)
-            log_transition(logger, "timed_out", job_id, request_id, timeout_s=self._job_timeout_s)
+            log_transition(logger, "timed_out", job_id, run.request_id, timeout_s=self._job_timeout_s)
         try:
-            return await asyncio.wait_for(done, _ABORT_GRACE_S)
+            return await asyncio.wait_for(run.done, _ABORT_GRACE_S)
         except TimeoutError:
             return PublishOutcome.LOST
 
-    async def _settle_loss(self, claim: Claim, request_id: str | None) -> None:
+    async def _settle_loss(self, run: _Run) -> None:
         """Why the job's writes were refused: cancelled (its client left), or taken over. A job
         whose record still runs under this worker's claim was refused by another server (a
         demoted primary, during a failover): it goes back to its queue, so that a claim on the
         primary continues it from its log; dropped, its stream would wait for a live worker
         that no longer runs it."""
+        claim = run.claim
         job_id = claim.job_id
         try:
             record = await self._lifecycle.record(job_id)
         except RedisError:
             record = None
+        if not self._is_current(run):
+            return  # claimed again meanwhile: the job is the newer run's
         if record is not None and record.state is JobState.CANCELLED:
-            log_transition(logger, "cancelled", job_id, request_id, by="client")
-        elif record is not None and record.state is JobState.RUNNING and record.epoch == claim.epoch:
-            log_transition(logger, "refused", job_id, request_id, by="a former primary")
-            await self._hand_back(claim)
+            log_transition(logger, "cancelled", job_id, run.request_id, by="client")
+        elif (
+            record is not None
+            and record.state is JobState.RUNNING
+            and record.epoch == claim.epoch
+            and (not claim.instance or record.owner_instance == claim.instance)
+        ):
+            log_transition(logger, "refused", job_id, run.request_id, by="a former primary")
+            await self._hand_back(run)
         else:
             state = record.state.value if record is not None else "gone"
-            log_transition(logger, "dropped", job_id, request_id, reason="moved on without this worker", state=state)
+            log_transition(
+                logger, "dropped", job_id, run.request_id, reason="moved on without this worker", state=state
+            )
 
-    async def _hand_back(self, claim: Claim) -> None:
+    async def _hand_back(self, run: _Run) -> None:
         """The worker is stopping before the job ended: stop generating and requeue it, so another
         worker continues from the tokens already sent."""
-        self._engine.abort(claim.job_id)
-        self._publisher.forget(claim.job_id)
+        claim = run.claim
+        if run.submitted:
+            self._engine.abort(claim.job_id)
+        if self._is_current(run):
+            self._publisher.forget(claim.job_id)
         for _ in range(_HAND_BACK_TRIES):
+            if not self._is_current(run):
+                return  # claimed again while Redis was away: the newer run owns the job
             try:
-                requeued = await self._lifecycle.requeue(claim.job_id, claim.epoch)
+                requeued = await self._lifecycle.requeue(claim.job_id, claim.epoch, claim.instance)
             except RedisError:
                 await asyncio.sleep(_HAND_BACK_RETRY_S)
                 continue
             reason = "requeued" if requeued else "already moved on"
-            log_transition(logger, "handed_back", claim.job_id, self._request_ids.get(claim.job_id), outcome=reason)
+            log_transition(logger, "handed_back", claim.job_id, run.request_id, outcome=reason)
             return
         logger.warning(
             "job %s: could not hand it back; API processes requeue it once this worker is gone", claim.job_id

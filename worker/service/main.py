@@ -22,6 +22,7 @@ from worker.kinds.base import Engine
 from worker.service.control import ControlListener
 from worker.service.engine_thread import EngineThread
 from worker.service.host_pool import HostPool
+from worker.service.job_audit import JobAudit
 from worker.service.job_runner import JobRunner
 from worker.service.publisher import EventPublisher
 from worker.service.queue_consumer import QueueConsumer
@@ -136,7 +137,11 @@ class WorkerProcess:
         max_num_seqs = engine.max_running - readiness.fair_share_slots
         self.registration.set_ready(max_num_seqs, readiness.max_input_len, engine.load)
         await self.registration.beat()
-        consume = asyncio.gather(*(consumer.main() for consumer in consumers))
+        audit = JobAudit(
+            self.lifecycle, sorted({consumer.queue for consumer in consumers}), self.registration.info.instance,
+            lambda: runner.active_job_ids,
+        )  # fmt: skip
+        consume = asyncio.gather(*(consumer.main() for consumer in consumers), audit.main())
         logger.info(
             "worker %s ready: model %s (%s, %s), max length %d, max concurrency %d (and %d for quiet API keys)",
             s.worker_id, s.model_id, self.kind.task, readiness.source, readiness.max_input_len, max_num_seqs,

@@ -38,6 +38,7 @@ _RETRY_INTERVAL_S = 0.25
 class PublishOutcome(StrEnum):
     DONE = "done"  # the final event is in the log (or the job ended with nothing to say)
     LOST = "lost"  # the job is not this worker's any more
+    REPLACED = "replaced"  # a newer claim of the job on this worker publishes for it now
 
 
 @dataclass
@@ -45,6 +46,7 @@ class _Outbox:
     """One job's events: all it sent (for refilling a gap) and those not yet written."""
 
     epoch: int
+    instance: str  # the claiming process (with the epoch, what the writes are fenced by)
     future: asyncio.Future[PublishOutcome]
     sent: dict[int, bytes] = field(default_factory=dict)
     unsent: list[tuple[int, bytes]] = field(default_factory=list)
@@ -80,13 +82,24 @@ class EventPublisher:
         self._retry_thread = threading.Thread(target=self._retry_forever, name="relaylm-publish-retry", daemon=True)
         self._retry_thread.start()
 
-    def expect(self, job_id: str, epoch: int) -> asyncio.Future[PublishOutcome]:
-        """Start publishing a job this worker claimed under ``epoch``; the future resolves once
-        its final event is written, or the job turns out not to be ours."""
+    def expect(self, job_id: str, epoch: int, instance: str = "") -> asyncio.Future[PublishOutcome]:
+        """Start publishing a job this worker claimed under ``epoch`` (as process ``instance``,
+        '' for writes fenced by the epoch alone); the future resolves once
+        its final event is written, or the job turns out not to be ours. An earlier claim's
+        future, if the job had one here, resolves as replaced."""
         future: asyncio.Future[PublishOutcome] = self._loop.create_future()
         with self._lock:
-            self._outboxes[job_id] = _Outbox(epoch, future)
+            earlier = self._outboxes.get(job_id)
+            self._outboxes[job_id] = _Outbox(epoch, instance, future)
+        if earlier is not None:
+            _resolve(earlier.future, PublishOutcome.REPLACED)
         return future
+
+    def is_publishing(self, job_id: str, epoch: int, instance: str = "") -> bool:
+        """Whether the job's events are being written under this claim (its final event not yet)."""
+        with self._lock:
+            box = self._outboxes.get(job_id)
+            return box is not None and (box.epoch, box.instance) == (epoch, instance)
 
     def forget(self, job_id: str) -> None:
         """Stop publishing for a job (its runner gave it up); later events of it are dropped."""
@@ -120,7 +133,7 @@ class EventPublisher:
         if not pending:
             return
         requests = [
-            AppendRequest(job_id, box.epoch, list(box.unsent), box.final_state, box.num_uncharged_tokens)
+            AppendRequest(job_id, box.epoch, list(box.unsent), box.final_state, box.num_uncharged_tokens, box.instance)
             for job_id, box in pending
         ]
         try:
