@@ -34,7 +34,6 @@ from worker.engine.sequence import EngineRequest, Sequence
 
 logger = logging.getLogger(__name__)
 
-# Aborts that arrive before their request (a client leaving while the job starts) are remembered.
 # How often the placement keys of ended jobs are checked against the prefix cache, at most.
 _HELD_CHECK_S = 1.0
 
