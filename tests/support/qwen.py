@@ -33,12 +33,15 @@ from typing import Any, Final
 import torch
 from tokenizers import AddedToken
 from transformers import (
+    AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
     PreTrainedTokenizerBase,
     Qwen2Tokenizer,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 from transformers.integrations.gguf import get_gguf_tokenizer
 
@@ -256,6 +259,151 @@ def tiny_random_qwen3_dir(template: str = "qwen3", seed: int = 0) -> Path:
         shutil.copytree(qwen3_tokenizer_dir(template), staging, dirs_exist_ok=True)
 
     return build_once(qwen3_cache_dir() / f"tiny-random-qwen3-{template}-{seed}", build)
+
+
+def tiny_random_qwen3_moe_dir(seed: int = 0) -> Path:
+    """A 2-layer, 64-wide Qwen3-MoE with random weights and the real tokenizer: 16 experts of
+    which each token takes 4, renormalised as Qwen3-30B-A3B's router does (~40 MB, fp32)."""
+
+    def build(staging: Path) -> None:
+        shape = _tiny_qwen3_config().to_dict()
+        for key in ("model_type", "architectures", "transformers_version", "dtype", "intermediate_size"):
+            shape.pop(key, None)
+        config = Qwen3MoeConfig(
+            **shape, intermediate_size=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+            norm_topk_prob=True,
+        )  # fmt: skip
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = Qwen3MoeForCausalLM(config)
+        model.generation_config = GenerationConfig(
+            bos_token_id=ENDOFTEXT_ID, eos_token_id=[IM_END_ID, ENDOFTEXT_ID], pad_token_id=ENDOFTEXT_ID
+        )
+        model.save_pretrained(staging)
+        shutil.copytree(qwen3_tokenizer_dir(), staging, dirs_exist_ok=True)
+
+    return build_once(qwen3_cache_dir() / f"tiny-random-qwen3-moe-{seed}", build)
+
+
+# The GGUF's types by tensor, as a Q4_K_M file mixes them: the experts in Q4_K (random blocks:
+# gguf-py has no K-quant quantizer), the rest quantized from the random model's weights.
+_GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1", "token_embd": "Q8_0"}
+_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+}  # fmt: skip
+_Q4_K_BLOCK_BYTES = 144
+
+
+def _random_q4_k(rows: int, width: int, rng: Any) -> Any:
+    """Q4_K blocks of random 4-bit values, 6-bit scales and mins, with small fp16 super-block scales."""
+    import numpy as np
+
+    blocks = rng.integers(0, 256, size=(rows * width // 256, _Q4_K_BLOCK_BYTES), dtype=np.uint8)
+    for offset, scale in ((0, 0.004), (2, 0.004)):
+        halves = rng.uniform(scale / 2, scale, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _write_tokenizer(writer: Any, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """The tokenizer as llama.cpp's converter writes a Qwen one: BPE tokens, their types, merges."""
+    import json as json_module
+
+    import gguf
+
+    model = json_module.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    by_id = {index: token for token, index in tokenizer.get_vocab().items()}
+    added = {token.content: token.special for token in tokenizer.added_tokens_decoder.values()}
+    tokens, types = [], []
+    for index in range(vocab_size):
+        token = by_id.get(index, f"[PAD{index}]")
+        tokens.append(token)
+        if token in added:
+            types.append(gguf.TokenType.CONTROL if added[token] else gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL if index in by_id else gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in model["merges"]])
+    writer.add_eos_token_id(IM_END_ID)
+    writer.add_pad_token_id(ENDOFTEXT_ID)
+    writer.add_bos_token_id(ENDOFTEXT_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tokenizer.chat_template)
+
+
+def tiny_qwen3_moe_gguf(seed: int = 0) -> Path:
+    """A Qwen3-MoE GGUF as llama.cpp lays one out (``qwen3moe``): 2 layers, 256 wide, 16 experts of
+    which a token takes 4, experts in Q4_K, attention in Q4_0 / Q4_1 / Q8_0, the real tokenizer and
+    chat template in its metadata (~50 MB). Beside it, ``transformers/``: the model transformers
+    reads from the file (fp32), the tests' reference."""
+
+    def build(staging: Path) -> None:
+        import gguf
+        import numpy as np
+
+        shape = _tiny_qwen3_config().to_dict()
+        for key in ("model_type", "architectures", "transformers_version", "dtype", "intermediate_size"):
+            shape.pop(key, None)
+        shape.update(hidden_size=256, head_dim=64)
+        config = Qwen3MoeConfig(**shape, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
+                                norm_topk_prob=True)  # fmt: skip
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = Qwen3MoeForCausalLM(config)
+        tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+        writer = gguf.GGUFWriter(str(staging / "tiny-qwen3-moe.gguf"), "qwen3moe")
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count(config.num_attention_heads)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_expert_count(16)
+        writer.add_expert_used_count(4)
+        writer.add_expert_feed_forward_length(256)
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+        _write_tokenizer(writer, tokenizer, config.vocab_size)
+        rng = np.random.default_rng(seed)
+
+        def add(name: str, weight: torch.Tensor) -> None:
+            kind = _GGUF_TYPES.get(name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0], "F32")
+            values = weight.detach().float().numpy()
+            if kind == "F32":
+                writer.add_tensor(name, values)
+            else:
+                qtype = gguf.GGMLQuantizationType[kind]
+                writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
+        add("token_embd.weight", model.model.embed_tokens.weight)
+        add("output_norm.weight", model.model.norm.weight)
+        for i in range(config.num_hidden_layers):
+            for hf_name, gguf_name in _GGUF_NAMES.items():
+                add(f"blk.{i}.{gguf_name}.weight", model.get_submodule(f"model.layers.{i}.{hf_name}").weight)
+            for part, (rows, width) in {"gate": (256, 256), "up": (256, 256), "down": (256, 256)}.items():
+                experts = np.stack([_random_q4_k(rows, width, rng) for _ in range(16)])
+                writer.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", experts, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        # transformers' reading of the same file, the tests' reference (it does not map the
+        # experts' width from the metadata, so that is given).
+        reference = AutoModelForCausalLM.from_pretrained(
+            staging, gguf_file="tiny-qwen3-moe.gguf", dtype=torch.float32, moe_intermediate_size=256
+        )
+        reference.hf_quantizer.remove_quantization_config(reference)  # its weights are float32 now
+        reference.save_pretrained(staging / "transformers")
+
+    return build_once(qwen3_cache_dir() / f"tiny-qwen3-moe-gguf-{seed}", build) / "tiny-qwen3-moe.gguf"
 
 
 def tool_call_prompt_ids(tokenizer: PreTrainedTokenizerBase, **template_kwargs: Any) -> list[int]:

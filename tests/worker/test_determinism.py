@@ -3,7 +3,7 @@ forward): for random prompts, seeds and settings, the tokens generated alone equ
 generated in random batches of 2-16 that join at random steps, with prefill chunked at random
 boundaries and the thread count changed at random steps, and after prefix-cache hits, for
 greedy and seeded sampling (top-k and top-p among them: the sampler's sums are in the property
-too).
+too). The same for a mixture of experts, whose rows share experts differently in every batch.
 
 A tiny random-weight model is the honest tool here: what is checked is the engine's numerics
 and scheduling, not the model's text. The default model is checked the same way, once, in
@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.support.models import tiny_random_llama_dir
+from tests.support.qwen import tiny_random_qwen3_moe_dir
 from tests.worker.test_engine import Collector
 from worker.engine.builder import EngineConfig, build_engine
 from worker.engine.engine import LLMEngine
@@ -54,10 +55,15 @@ class Spec:
         return EngineRequest(request_id, [list(self.prompt)], params)
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    # 128 wide, 4 heads over 2 kv heads (grouped-query attention), 3 layers, SmolLM2's vocabulary.
-    folder = tiny_random_llama_dir(seed=3, hidden_size=128, num_layers=3)
+@pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
+def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    # llama: 128 wide, 4 heads over 2 kv heads (grouped-query attention), 3 layers, SmolLM2's
+    # vocabulary. qwen3_moe: 16 experts, 4 a token, Qwen3's vocabulary; which experts a row's
+    # tokens share with the other rows of a step changes from step to step.
+    if request.param == "llama":
+        folder = tiny_random_llama_dir(seed=3, hidden_size=128, num_layers=3)
+    else:
+        folder = tiny_random_qwen3_moe_dir()
     cache = tmp_path_factory.mktemp("cache")
     model = load_model(str(folder), cache, "cpu", "bfloat16", MAX_LEN, "native", "auto", deterministic=True)
     assert model.model.dtype == torch.bfloat16 and model.model.deterministic

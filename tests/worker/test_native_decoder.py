@@ -18,6 +18,7 @@ from transformers import (
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from tests.support.models import tiny_random_llama_dir
@@ -47,6 +48,24 @@ FAMILIES: dict[str, PretrainedConfig] = {
     "mistral": MistralConfig(**SHAPE, sliding_window=None),
     "qwen2": Qwen2Config(**SHAPE, tie_word_embeddings=False),
     "qwen3": Qwen3Config(**SHAPE, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # 8 experts, 2 a token, the second layer dense; and Qwen3-30B-A3B's routing (8 of 128, renormalised), scaled down.
+    "qwen3_moe": Qwen3MoeConfig(
+        **SHAPE,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    ),
+    "qwen3_moe-top8": Qwen3MoeConfig(
+        **SHAPE,
+        head_dim=16,
+        num_experts=16,
+        num_experts_per_tok=8,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
 }
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.models import tiny_random_llama_dir
-from tests.support.qwen import tiny_random_qwen3_dir
+from tests.support.qwen import tiny_random_qwen3_dir, tiny_random_qwen3_moe_dir
 from worker.engine import self_test
 from worker.engine.self_test import PassedSelfTests, SelfTestResult, check_determinism
 from worker.models.loader import LoadedModel, load_model
@@ -84,6 +84,16 @@ def test_a_qwen3_model_with_query_and_key_norms_passes_it(tmp_path: Path) -> Non
     loaded = load_model(str(tiny_random_qwen3_dir()), tmp_path, "cpu", "bfloat16", 512, "native", "auto", True)
     assert isinstance(loaded.model, NativeCausalLM) and loaded.model.deterministic
     assert loaded.model.model.layers[0].self_attn.q_norm is not None
+    result = check_determinism(loaded.model, loaded.tokenizer, loaded.eos_token_ids, {1, 2})
+    assert result.holds, result.detail
+
+
+def test_a_mixture_of_experts_passes_it(tmp_path: Path) -> None:
+    """Router, expert grouping and the weighted sum run on the exact kernels: a token's experts and
+    bits do not depend on the tokens routed beside it."""
+    loaded = load_model(str(tiny_random_qwen3_moe_dir()), tmp_path, "cpu", "bfloat16", 512, "native", "auto", True)
+    assert isinstance(loaded.model, NativeCausalLM) and loaded.model.deterministic
+    assert loaded.model.config.moe is not None
     result = check_determinism(loaded.model, loaded.tokenizer, loaded.eos_token_ids, {1, 2})
     assert result.holds, result.detail
 

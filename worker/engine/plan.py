@@ -64,6 +64,8 @@ def resolve_plan(
     k-row forward other bits than k one-row ones)."""
     native = isinstance(model, NativeCausalLM)
     exact = native and model.deterministic
+    # A mixture of experts' step branches on the router's choice: no one graph to compile.
+    sparse = isinstance(model, NativeCausalLM) and model.config.moe is not None
     layout: KVLayout = "tokens" if kv_layout == "auto" and is_lazily_backed(device) else "slots"
     prefix: PrefixPolicy = "off"
     if prefix_cache_bytes > 0:
@@ -76,6 +78,6 @@ def resolve_plan(
         numerics="exact" if exact else "library",
         kv_layout=layout,
         prefix_policy=prefix,
-        compiled_step=compiled_step and native and not exact and device.type == "cpu",
+        compiled_step=compiled_step and native and not exact and device.type == "cpu" and not sparse,
         speculation=speculation if exact else "off",
     )

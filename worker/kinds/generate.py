@@ -3,8 +3,11 @@ text-completion and tokenize jobs."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Literal, cast
 
@@ -49,6 +52,11 @@ class GenerationHandler:
         self.max_tokens_over_context = max_tokens_over_context
         self.max_n = engine.max_running if max_n is None else max_n
         self._compiler: ConstraintCompiler | None = None
+        # Preparing renders the chat template, tokenizes and compiles grammars (the first
+        # constrained request builds a token trie: seconds for a 150k-token vocabulary). On a
+        # thread of its own, one request at a time, the event loop keeps the heartbeat and the
+        # other jobs' events going meanwhile.
+        self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
 
     def get_compiler(self) -> ConstraintCompiler:
         """Built on the first constrained request: its token trie takes about a second to make."""
@@ -59,19 +67,23 @@ class GenerationHandler:
         return self._compiler
 
     async def prepare(self, job: AnyJob, inputs: JobInputs) -> EngineRequest | Answer:
+        loop = asyncio.get_running_loop()
         if isinstance(job, TokenizeJob):
-            return self.tokenize(job, await inputs.images(job))
+            images = await inputs.images(job)
+            return await loop.run_in_executor(self._preparer, self.tokenize, job, images)
         if not isinstance(job, ChatJob | CompletionJob):
             raise wrong_task(job, "chat and text completions")
         resume = _resume_state(inputs.claim.next_seq, await inputs.sent())
         images = await inputs.images(job)
         limits = RequestLimits(self.max_n, self.max_tokens_over_context)
         if isinstance(job, ChatJob):
-            request = prepare_chat(
-                job.job_id, job.request, self.loaded, self.tooling, limits, self.get_compiler, images
+            chat = functools.partial(
+                prepare_chat, job.job_id, job.request, self.loaded, self.tooling, limits, self.get_compiler, images
             )
+            request = await loop.run_in_executor(self._preparer, chat)
         else:
-            request = prepare_completion(job.job_id, job.request, self.loaded, limits)
+            completion = functools.partial(prepare_completion, job.job_id, job.request, self.loaded, limits)
+            request = await loop.run_in_executor(self._preparer, completion)
         request.resume = resume
         request.priority = job.request.priority
         # The keys its conversation's prompt stands for; affinity names are held whatever is cached.

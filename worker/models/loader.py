@@ -26,7 +26,15 @@ from worker.models.named import NAMED_MODELS, NamedModelError, assemble_gguf
 from worker.native import exact
 from worker.native.decoder import NativeCausalLM
 from worker.native.deterministic import make_exact
+from worker.native.gguf_file import GGUFFile
 from worker.native.gguf_groups import GROUPS_FILE, extract_int4_groups, load_groups, save_groups
+from worker.native.gguf_model import (
+    gguf_eos_token_ids,
+    gguf_tokenizer_dir,
+    is_gguf_file,
+    load_gguf_exact,
+    read_gguf_spec,
+)
 from worker.native.loader import load_native
 from worker.native.model_config import text_config
 from worker.native.quantize import PACKED_MAX_ROWS, Quantization, quantize
@@ -346,6 +354,8 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, deterministic)
     logger.info("loading %s as %s on %s", source, torch_dtype, torch_device)
+    if is_gguf_file(source):
+        return _load_gguf(Path(source), cache_dir, torch_device, torch_dtype, max_model_len, model_impl, deterministic)
     try:
         tokenizer = load_tokenizer(source)
         forward, generation_eos = _load_forward(
@@ -369,6 +379,40 @@ def load_model(
         max_model_len=max_model_len or model_max,
         source=source,
         vision=vision,
+    )
+
+
+def _load_gguf(
+    path: Path, cache_dir: Path, device: torch.device, dtype: torch.dtype, max_model_len: int | None,
+    model_impl: str, deterministic: bool,
+) -> LoadedModel:  # fmt: skip
+    """A GGUF file's weights packed as they are for the exact kernels (``worker/native/gguf_model.py``)."""
+    if model_impl == "transformers":
+        raise ModelLoadError(f"{path.name}: a GGUF file runs on the native forward, not --model-impl transformers")
+    if not deterministic or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        raise ModelLoadError(f"{path.name}: a GGUF file is served as it is on the exact kernels: --deterministic on, "
+                             "--device cpu, --dtype bfloat16 or float32")  # fmt: skip
+    try:
+        gguf = GGUFFile(path)
+        spec = read_gguf_spec(gguf)
+        tokenizer = load_tokenizer(str(gguf_tokenizer_dir(path, cache_dir)))
+        forward, summary = load_gguf_exact(gguf, spec, dtype)
+    except (UnsupportedCheckpoint, ValueError, KeyError, OSError) as exc:
+        raise ModelLoadError(f"cannot serve {path}: {exc}") from exc
+    kernels = "AVX512-VNNI" if exact.has_vector_path() else "portable code"
+    experts = f", {spec.moe.num_experts} experts, {spec.moe.top_k} a token" if spec.moe else ""
+    logger.info("native forward from the GGUF: %s, %d layers%s; exact kernels (%s; %s)", spec.model_type,
+                spec.num_hidden_layers, experts, summary, kernels)  # fmt: skip
+    if max_model_len is not None and max_model_len > spec.max_position_embeddings:
+        raise ModelLoadError(
+            f"--max-model-len {max_model_len} exceeds the model's maximum of {spec.max_position_embeddings}"
+        )
+    return LoadedModel(
+        model=forward,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_token_ids(sorted(gguf_eos_token_ids(gguf)), tokenizer),
+        max_model_len=max_model_len or spec.max_position_embeddings,
+        source=str(path),
     )
 
 

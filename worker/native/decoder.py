@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.native import exact
+from worker.native.experts import ExactExperts, SparseMoe
 from worker.native.kv_cache import SharedGroup
 from worker.native.shared_attention import attend_with_prefixes
 from worker.native.spec import DecoderSpec
@@ -43,6 +44,15 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> Linear:
+        """A bias-free ``Linear`` around an existing weight (one expert's of a stacked weight)."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        linear.bias = None
+        return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -114,14 +124,24 @@ def _mrope_streams(section: tuple[int, ...], interleaved: bool, half_dim: int) -
     return streams
 
 
+class ExactMlp(NamedTuple):
+    """A dense MLP on the exact kernels."""
+
+    gate_up: exact.ExactLinear  # post_attention_layernorm fused
+    down: exact.ExactLinear  # silu(gate) * up fused
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` (not yet normalised) plus the MLP's output."""
+        return self.down(self.gate_up(hidden), residual=hidden)
+
+
 class ExactParts(NamedTuple):
     """A layer's matmuls on the exact kernels (``exact.py``, ``--deterministic on``), with the
     operations around them fused into their activations' quantization."""
 
     qkv: exact.ExactLinear  # input_layernorm fused
     o: exact.ExactLinear
-    gate_up: exact.ExactLinear  # post_attention_layernorm fused
-    down: exact.ExactLinear  # silu(gate) * up fused
+    mlp: ExactMlp | ExactExperts
 
 
 class Attention(nn.Module):
@@ -253,7 +273,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_idx)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = SparseMoe(spec) if spec.is_sparse(layer_idx) else MLP(spec)
         self.exact: ExactParts | None = None  # set by worker/native/deterministic.py
 
     def forward(
@@ -266,7 +286,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         if self.exact is not None:
             hidden = self.self_attn.forward_exact(self.exact, hidden, rope, positions, cache)
-            return self.exact.down(self.exact.gate_up(hidden), residual=hidden)
+            return self.exact.mlp(hidden)
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask, cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 

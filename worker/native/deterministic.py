@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from worker.native import exact
-from worker.native.decoder import ExactParts, JoinedLinear, Linear, NativeCausalLM, RMSNorm
+from worker.native.decoder import MLP, ExactMlp, ExactParts, JoinedLinear, Linear, NativeCausalLM, RMSNorm
+from worker.native.experts import ExactExperts, SparseMoe
 from worker.native.gguf_groups import Int4Groups
 from worker.native.quantize import Quantization, quantize_int4_groups
 
@@ -72,6 +73,49 @@ def _exact(
     return exact.ExactLinear(packed, linear.bias, prologue, norm_weight, eps)
 
 
+def _drop(weight: torch.Tensor, module: torch.nn.Module, name: str = "weight") -> None:
+    setattr(module, name, torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False))
+
+
+def _exact_mlp(
+    mlp: MLP | SparseMoe, name: str, norm: RMSNorm, groups: dict[str, Int4Groups], mode: Quantization,
+    summary: ExactSummary,
+) -> ExactMlp | ExactExperts:  # fmt: skip
+    if isinstance(mlp, MLP):
+        assert mlp.gate_up_proj is not None, "join_projections() runs first"
+        parts = ExactMlp(
+            gate_up=_exact(mlp.gate_up_proj, name, groups, mode, summary, exact.PROLOGUE_RMS_NORM, norm),
+            down=_exact(mlp.down_proj, f"{name}.down_proj", groups, mode, summary, exact.PROLOGUE_SILU_MUL),
+        )
+        _drop(mlp.gate_up_proj.weight, mlp.gate_up_proj)
+        _drop(mlp.down_proj.weight, mlp.down_proj)
+        return parts
+    experts = mlp.experts
+    gate_up, down = [], []
+    for expert in range(mlp.moe.num_experts):
+        gate_up_weight = Linear.of(experts.gate_up_proj[expert])
+        gate_up.append(_exact(gate_up_weight, f"{name}.experts.{expert}.gate_up_proj", groups, mode, summary,
+                              exact.PROLOGUE_RMS_NORM, norm))  # fmt: skip
+        down_linear = _exact(Linear.of(experts.down_proj[expert]), f"{name}.experts.{expert}.down_proj", groups,
+                             mode, summary, exact.PROLOGUE_SILU_MUL)  # fmt: skip
+        down_linear.out_float32 = True
+        down.append(down_linear)
+    # 8-bit: the router is small, and a coarser one changes which experts a token gets.
+    router = exact.pack_int8(mlp.gate.weight)
+    summary.int8 += 1
+    summary.nbytes += router.nbytes
+    parts_moe = ExactExperts(
+        moe=mlp.moe,
+        router=exact.ExactLinear(router, None, exact.PROLOGUE_RMS_NORM, norm.weight, norm.eps, out_float32=True),
+        gate_up=tuple(gate_up),
+        down=tuple(down),
+    )
+    _drop(experts.gate_up_proj, experts, "gate_up_proj")
+    _drop(experts.down_proj, experts, "down_proj")
+    _drop(mlp.gate.weight, mlp.gate)
+    return parts_moe
+
+
 def make_exact(model: NativeCausalLM, groups: dict[str, Int4Groups], mode: Quantization) -> ExactSummary:
     """Put every layer and the head on the exact kernels (``mode``: see the module docstring;
     ``none`` is not one of them: the caller keeps the library kernels then)."""
@@ -82,19 +126,17 @@ def make_exact(model: NativeCausalLM, groups: dict[str, Int4Groups], mode: Quant
     summary = ExactSummary()
     for index, layer in enumerate(model.model.decoder_layers()):
         prefix = f"model.layers.{index}"
-        attention, mlp = layer.self_attn, layer.mlp
-        assert attention.qkv_proj is not None and mlp.gate_up_proj is not None, "join_projections() runs first"
+        attention = layer.self_attn
+        assert attention.qkv_proj is not None, "join_projections() runs first"
         layer.exact = ExactParts(
             qkv=_exact(attention.qkv_proj, f"{prefix}.self_attn", groups, mode, summary,
                        exact.PROLOGUE_RMS_NORM, layer.input_layernorm),
             o=_exact(attention.o_proj, f"{prefix}.self_attn.o_proj", groups, mode, summary),
-            gate_up=_exact(mlp.gate_up_proj, f"{prefix}.mlp", groups, mode, summary,
-                           exact.PROLOGUE_RMS_NORM, layer.post_attention_layernorm),
-            down=_exact(mlp.down_proj, f"{prefix}.mlp.down_proj", groups, mode, summary, exact.PROLOGUE_SILU_MUL),
+            mlp=_exact_mlp(layer.mlp, f"{prefix}.mlp", layer.post_attention_layernorm, groups, mode, summary),
         )  # fmt: skip
         # The kernels hold the weights now; the float copies would only double the memory.
-        for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            linear.weight = torch.nn.Parameter(torch.empty(0, dtype=linear.weight.dtype), requires_grad=False)
+        for linear in (attention.qkv_proj, attention.o_proj):
+            _drop(linear.weight, linear)
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     packed = exact.pack_int8(head)  # the embedding keeps its own rows for lookups
     summary.int8 += 1

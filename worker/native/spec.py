@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from safetensors import safe_open
 
 # model_type → whether its attention normalises q and k per head (Qwen3) before RoPE.
-_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
+_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True, "qwen3_moe": True}
 # Vision-language checkpoints whose language model is one of those: model_type → its language
 # model's type. The language model's weights sit under ``model.text_model.`` (Idefics3, SmolVLM),
 # ``model.language_model.`` (Qwen3-VL, and checkpoints written by transformers 5) or ``model.``
@@ -19,6 +20,18 @@ _VISION_LANGUAGE_MODELS = {
     "idefics3": "llama", "smolvlm": "llama", "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3",
 }  # fmt: skip
 _BODY_PREFIXES = ("model.text_model.", "model.language_model.")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts MLP (Qwen3-MoE): each token's ``top_k`` experts of ``num_experts``,
+    chosen by a softmax router, their outputs summed with the router's weights."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's (``moe_intermediate_size``)
+    norm_topk_prob: bool  # the chosen experts' weights renormalised to sum to one
+    sparse_layers: frozenset[int]  # the layers whose MLP is the experts (the rest are dense)
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,10 @@ class DecoderSpec:
     # height and width positions, in blocks (Qwen2-VL) or interleaved (Qwen3-VL).
     mrope_section: tuple[int, ...] | None = None
     mrope_interleaved: bool = False
+    moe: MoeSpec | None = None  # the experts of a mixture-of-experts model's sparse layers
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return self.moe is not None and layer_idx in self.moe.sparse_layers
 
 
 class UnsupportedCheckpoint(Exception):
@@ -134,6 +151,28 @@ def read_decoder_spec(folder: Path) -> DecoderSpec:
         foreign_prefixes=foreign_prefixes,
         mrope_section=mrope[0] if mrope else None,
         mrope_interleaved=mrope[1] if mrope else False,
+        moe=_moe(config) if model_type == "qwen3_moe" else None,
+    )
+
+
+def _moe(config: dict[str, Any]) -> MoeSpec:
+    """Qwen3-MoE's experts, placed as transformers places them: every ``decoder_sparse_step``-th
+    layer that ``mlp_only_layers`` does not keep dense."""
+    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)  # published | transformers 5
+    top_k = int(config.get("num_experts_per_tok") or 0)
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise UnsupportedCheckpoint(f"{num_experts} experts with {top_k} per token")
+    if config.get("shared_expert_intermediate_size"):
+        raise UnsupportedCheckpoint("shared experts")
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in config.get("mlp_only_layers") or []}
+    layers = int(config["num_hidden_layers"])
+    return MoeSpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=int(config["moe_intermediate_size"]),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        sparse_layers=frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
     )
 
 
