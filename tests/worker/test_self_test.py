@@ -122,6 +122,15 @@ def test_a_pass_is_remembered_under_the_weights_code_cpu_and_thread_counts(
         "native", "auto", deterministic=True,
     )  # fmt: skip
     assert passes.key(other.model, {1, 2}) != key
+    # The exact kernels' packed weights are outside the parameters: a change there is another key too.
+    layer = deterministic.model.model.decoder_layers()[0]
+    assert layer.exact is not None
+    data = layer.exact.o.packed.data
+    data[-1] ^= 1
+    try:
+        assert passes.key(deterministic.model, {1, 2}) != key
+    finally:
+        data[-1] ^= 1
 
 
 def test_a_failure_is_not_remembered_and_an_unreadable_record_is_no_pass(tmp_path: Path) -> None:

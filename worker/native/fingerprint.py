@@ -16,14 +16,33 @@ _CODE_SUFFIXES = (".py", ".cpp", ".h")
 
 
 def update_with_weights(digest: hashlib.blake2b, model: torch.nn.Module) -> None:
-    """Each parameter's and buffer's name, shape, dtype and first and last bytes: a different
-    checkpoint, quantization or dtype changes it, and it costs milliseconds, not a read of every
-    weight."""
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+    """Each parameter's and buffer's name, shape, dtype and first and last bytes, and those of the
+    exact kernels' packed weights (held by the layers' ``exact`` parts, outside the parameters):
+    a different checkpoint, quantization or dtype changes it, and it costs milliseconds, not a
+    read of every weight."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers(), *_packed_weights(model)]:
         flat = tensor.detach().reshape(-1)
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
         for part in (flat[:64], flat[-64:]):
             digest.update(part.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _packed_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value: object, name: str) -> None:
+        if isinstance(value, tuple):
+            for index, item in enumerate(value):
+                walk(item, f"{name}.{index}")
+        packed = getattr(value, "packed", None)
+        if isinstance(value, torch.nn.Module) and packed is not None:
+            found.extend((f"{name}.{part}", getattr(packed, part)) for part in ("data", "scales"))
+
+    for module_name, module in model.named_modules():
+        parts = getattr(module, "exact", None)
+        if isinstance(parts, tuple):
+            walk(parts, f"{module_name}.exact")
+    return found
 
 
 @cache
