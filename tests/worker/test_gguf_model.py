@@ -127,3 +127,59 @@ def test_the_default_models_file_gives_the_bits_of_its_conversion(tmp_path: Path
 def test_a_gguf_file_needs_the_exact_kernels(moe_file: Path, tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="--deterministic on"):
         load_model(str(moe_file), tmp_path, "cpu", "auto", 512, deterministic=False)
+
+
+def _tiny_file(path: Path, architecture: str, extra: tuple[str, ...] = ()) -> Path:
+    """A file with a one-layer decoder's metadata and tensors (random, F32), and ``extra`` tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    shapes = {
+        "token_embd.weight": (50, 32), "output_norm.weight": (32,), "blk.0.attn_norm.weight": (32,),
+        "blk.0.ffn_norm.weight": (32,), "blk.0.attn_q.weight": (32, 32), "blk.0.attn_k.weight": (16, 32),
+        "blk.0.attn_v.weight": (16, 32), "blk.0.attn_output.weight": (32, 32), "blk.0.ffn_gate.weight": (64, 32),
+        "blk.0.ffn_up.weight": (64, 32), "blk.0.ffn_down.weight": (32, 64), **{name: (8,) for name in extra},
+    }  # fmt: skip
+    for name, shape in shapes.items():
+        writer.add_tensor(name, np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("architecture", "extra", "reason"),
+    [
+        ("gemma3", (), "GGUF architecture 'gemma3'"),
+        ("llama", ("rope_freqs.weight",), r"scaled RoPE \(rope_freqs\)"),
+        ("qwen2", ("blk.0.attn_gate.weight",), "unexpected tensor 'blk.0.attn_gate.weight' for a qwen2 decoder"),
+    ],
+)
+def test_what_a_file_holds_that_the_decoder_does_not_implement_is_refused_by_name(
+    tmp_path: Path, architecture: str, extra: tuple[str, ...], reason: str
+) -> None:
+    path = _tiny_file(tmp_path / "m.gguf", architecture, extra)
+    with pytest.raises(ModelLoadError, match=reason):
+        load_model(str(path), tmp_path, "cpu", "auto", None, deterministic=True)
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "not.gguf"
+    path.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ModelLoadError, match="is not a GGUF file"):
+        load_model(str(path), tmp_path, "cpu", "auto", None, deterministic=True)
+
+
+def test_a_truncated_file_is_refused(moe_file: Path, tmp_path: Path) -> None:
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(moe_file.read_bytes()[:5000])
+    with pytest.raises(ModelLoadError, match="is truncated or malformed"):
+        load_model(str(path), tmp_path, "cpu", "auto", None, deterministic=True)

@@ -49,6 +49,8 @@ _state: dict[str, object] = {}
 def load() -> bool:
     """Build (once per source and torch version) and load the extension; False, logged once,
     where it cannot be built."""
+    if _state.get("ok") is True:  # loaded: every matmul asks, so without taking the lock
+        return True
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])

@@ -113,9 +113,21 @@ class ExactExperts(NamedTuple):
         """``hidden`` (not yet normalised) plus the experts' weighted sum."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         weights, index = route_exact(self.router(flat), self.moe)
-        outputs = torch.empty((*index.shape, flat.shape[-1]), dtype=torch.float32)
-        for expert, token, ranks in _by_expert(index):
-            outputs[token, ranks] = self.down[expert](self.gate_up[expert](flat[token]))
+        # The (token, rank) routes sorted by expert: one gather, then each expert's rows are one
+        # contiguous slice, and one scatter puts the outputs back in (token, rank) order.
+        routes = index.reshape(-1)
+        order = torch.argsort(routes, stable=True)
+        gathered = flat[order // self.moe.top_k]
+        by_expert = torch.empty((routes.shape[0], flat.shape[-1]), dtype=torch.float32)
+        start = 0
+        for expert, count in enumerate(torch.bincount(routes, minlength=self.moe.num_experts).tolist()):
+            if count:
+                rows = gathered[start : start + count]
+                by_expert[start : start + count] = self.down[expert](self.gate_up[expert](rows))
+                start += count
+        outputs = torch.empty_like(by_expert)
+        outputs[order] = by_expert
+        outputs = outputs.view(*index.shape, flat.shape[-1])
         total = outputs[:, 0] * weights[:, :1]
         for rank in range(1, self.moe.top_k):
             total = total + outputs[:, rank] * weights[:, rank : rank + 1]

@@ -49,16 +49,25 @@ class Tensor:
 class GGUFFile:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.fields: dict[str, Any] = {}
+        self.tensors: dict[str, Tensor] = {}
         with path.open("rb") as handle:
+            if handle.read(4) != b"GGUF":
+                raise GGUFFormatError(f"{path.name} is not a GGUF file")
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        self._pos = 0
-        if self._map[:4] != b"GGUF":
-            raise GGUFFormatError(f"{path.name} is not a GGUF file")
         self._pos = 4
+        try:
+            self._parse()
+        except GGUFFormatError:
+            raise
+        except (struct.error, UnicodeDecodeError, ValueError) as exc:
+            raise GGUFFormatError(f"{path.name} is truncated or malformed: {exc}") from exc
+        self.architecture = str(self.fields.get("general.architecture"))
+
+    def _parse(self) -> None:
         version, tensor_count, key_count = self._read("<I"), self._read("<Q"), self._read("<Q")
         if version not in (2, 3):
             raise GGUFFormatError(f"GGUF version {version} (2 and 3 are read)")
-        self.fields: dict[str, Any] = {}
         for _ in range(key_count):
             key = self._string()
             self.fields[key] = self._value(self._read("<I"))
@@ -70,7 +79,6 @@ class GGUFFile:
         alignment = int(self.fields.get("general.alignment", 32))
         start = -(-self._pos // alignment) * alignment
         self.tensors = {name: self._tensor(name, dims, kind, start + offset) for name, dims, kind, offset in infos}
-        self.architecture = str(self.fields.get("general.architecture"))
 
     def _read(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self._map, self._pos)

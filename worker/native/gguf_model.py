@@ -65,6 +65,8 @@ def read_gguf_spec(gguf: GGUFFile) -> DecoderSpec:
     hidden = int(gguf.arch_value("embedding_length"))
     heads = int(gguf.arch_value("attention.head_count"))
     layers = int(gguf.arch_value("block_count"))
+    if "rope_freqs.weight" in gguf.tensors:
+        raise UnsupportedCheckpoint("scaled RoPE (rope_freqs)")
     embedding_shape = gguf.tensors["token_embd.weight"].shape
     moe = None
     if gguf.architecture == "qwen3moe":
@@ -76,7 +78,7 @@ def read_gguf_spec(gguf: GGUFFile) -> DecoderSpec:
             norm_topk_prob=True,
             sparse_layers=frozenset(i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in gguf.tensors),
         )
-    return DecoderSpec(
+    spec = DecoderSpec(
         model_type=model_type,
         vocab_size=embedding_shape[0],
         hidden_size=hidden,
@@ -96,6 +98,25 @@ def read_gguf_spec(gguf: GGUFFile) -> DecoderSpec:
         weight_files=(gguf.path,),
         moe=moe,
     )
+    unexpected = sorted(set(gguf.tensors) - _expected_tensors(spec))
+    if unexpected:
+        raise UnsupportedCheckpoint(f"unexpected tensor {unexpected[0]!r} for a {gguf.architecture} decoder")
+    return spec
+
+
+def _expected_tensors(spec: DecoderSpec) -> set[str]:
+    names = {"token_embd.weight", "output_norm.weight", "output.weight"}
+    for i in range(spec.num_hidden_layers):
+        blk = f"blk.{i}"
+        names |= {
+            f"{blk}.{part}.weight" for part in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm")
+        }
+        names |= {f"{blk}.attn_{part}.bias" for part in ("q", "k", "v", "output")}
+        names |= {f"{blk}.attn_q_norm.weight", f"{blk}.attn_k_norm.weight"}
+        parts = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if spec.is_sparse(i) else (
+            "ffn_gate", "ffn_up", "ffn_down")  # fmt: skip
+        names |= {f"{blk}.{part}.weight" for part in parts} | {f"{blk}.{part}.bias" for part in parts}
+    return names
 
 
 def gguf_tokenizer_dir(path: Path, cache_dir: Path) -> Path:
