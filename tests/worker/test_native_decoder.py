@@ -40,6 +40,13 @@ SHAPE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
 }
+
+
+def _experts(count: int, per_token: int, width: int, renormalised: bool) -> dict[str, object]:
+    return {"num_experts": count, "num_experts_per_tok": per_token, "moe_intermediate_size": width,
+            "norm_topk_prob": renormalised}  # fmt: skip
+
+
 FAMILIES: dict[str, PretrainedConfig] = {
     "llama": LlamaConfig(**SHAPE, tie_word_embeddings=True),
     "llama-biases-mha-untied": LlamaConfig(
@@ -48,24 +55,10 @@ FAMILIES: dict[str, PretrainedConfig] = {
     "mistral": MistralConfig(**SHAPE, sliding_window=None),
     "qwen2": Qwen2Config(**SHAPE, tie_word_embeddings=False),
     "qwen3": Qwen3Config(**SHAPE, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-    # 8 experts, 2 a token, the second layer dense; and Qwen3-30B-A3B's routing (8 of 128, renormalised), scaled down.
-    "qwen3_moe": Qwen3MoeConfig(
-        **SHAPE,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=48,
-        norm_topk_prob=False,
-        mlp_only_layers=[1],
-    ),
-    "qwen3_moe-top8": Qwen3MoeConfig(
-        **SHAPE,
-        head_dim=16,
-        num_experts=16,
-        num_experts_per_tok=8,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-    ),
+    # 8 experts, 2 a token, the second layer dense; and Qwen3-30B-A3B's routing (8 a token,
+    # renormalised) over 16 experts.
+    "qwen3_moe": Qwen3MoeConfig(**SHAPE, head_dim=32, **_experts(8, 2, 48, renormalised=False), mlp_only_layers=[1]),
+    "qwen3_moe-top8": Qwen3MoeConfig(**SHAPE, head_dim=16, **_experts(16, 8, 32, renormalised=True)),
 }
 
 
