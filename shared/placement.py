@@ -53,6 +53,8 @@ def prefix_keys(job: AnyJob) -> list[str]:
             "model": generate.model,
             "tools": [tool.model_dump(mode="json") for tool in generate.tools],
             "template": generate.chat_template_kwargs,
+            # A LoRA adapter's prompts are cached apart from the base model's (a base job's key stays as it was).
+            **({"adapter": generate.adapter} if generate.adapter is not None else {}),
         },
         sort_keys=True,
         ensure_ascii=False,

@@ -220,3 +220,12 @@ class RedisKeys:
     def models(self) -> str:
         """Hash model id → JSON card (last seen, context length) of every model ever served."""
         return f"{self.prefix}:models"
+
+    def adapters(self) -> str:
+        """Hash adapter name → JSON record (``shared.adapters.AdapterRecord``) of every stored LoRA
+        adapter; kept until unloaded (no TTL: an adapter is configuration, not a job's data)."""
+        return f"{self.prefix}:adapters"
+
+    def adapter_files(self, name: str) -> str:
+        """Hash ``config`` / ``weights`` → an adapter's PEFT files as stored, beside its record."""
+        return f"{self.prefix}:adapter:{name}"

@@ -125,6 +125,16 @@ class WorkerSettings(CommonSettings):
             "a guess's position other bits than a step of its own, so there it is off. off: one token a step."
         ),
     )
+    lora: str | None = Field(
+        default=None,
+        description="LoRA adapters to serve over the model, name=path pairs separated by commas (path: a PEFT "
+        "folder with adapter_config.json and adapter_model.safetensors). Each is stored in Redis at start, so "
+        "every worker of the model serves it; clients select one with model: <name>. Native forward only.",
+    )
+    max_loras: int = Field(
+        default=8, ge=1, description="Adapters a worker keeps ready at once (the least recently used is let go)."
+    )
+    max_lora_rank: int = Field(default=64, ge=1, description="The largest adapter rank a worker serves.")
     prefix_cache_memory_gib: float = Field(
         default=1.0, ge=0, description="Memory for cached prompt prefixes (reused KV of repeated prompts); 0 = off."
     )

@@ -26,6 +26,7 @@ from shared.contract import (
     CompletionJob,
     EmbeddingJob,
     Generate,
+    Tokenize,
     TokenizeJob,
     TranscriptionJob,
     decode_job,
@@ -72,6 +73,7 @@ class JobClient:
         key's limit of open requests (one job of a request made of several counts, the others
         not); ``images``: the bytes of the images the job names, by SHA-256."""
         arrived_at = time.monotonic() if arrived_at is None else arrived_at
+        job = await self._on_base(job)
         request_id, job_id, model = job.request_id, job.job_id, job.model
         await self.directory.require_worker(model)
         observer = RequestObserver(self.metrics, model, arrived_at)
@@ -92,6 +94,7 @@ class JobClient:
         """Queue a background job: API processes keep its result once it ends
         (:class:`~api.jobs.results.ResultStore`), and it counts towards its key's limit of open
         requests, as a streamed request does."""
+        job = await self._on_base(job)
         await self.directory.require_worker(job.model)
         await self._enqueue(job, images=images)
         try:
@@ -105,6 +108,23 @@ class JobClient:
         (a batch's lines are limited when the batch is created); the batch runner collects it."""
         await self._enqueue(job, queue, limit=0, counts_for_key=False)
         log_transition(logger, "queued", job.job_id, job.request_id, model=job.model, detached=True)
+
+    async def _on_base(self, job: AnyJob) -> AnyJob:
+        """A job that names a LoRA adapter as its model, as its base model's job: generation jobs
+        carry the adapter for the worker to apply; tokenizing is the base model's own."""
+        adapter = await self.directory.adapter_of(job.model)
+        if adapter is None:
+            return job
+        request = job.request
+        if isinstance(request, Generate):
+            request = request.model_copy(update={"model": adapter.base, "adapter": adapter.name})
+        elif isinstance(request, Tokenize):
+            chat = request.chat.model_copy(update={"model": adapter.base}) if request.chat is not None else None
+            request = request.model_copy(update={"model": adapter.base, "chat": chat})
+        else:
+            message = f"`{adapter.name}` is a LoRA adapter of a generation model; it serves chat and completions."
+            raise RelayError(ErrorKind.INVALID_REQUEST, message, "model")
+        return job.model_copy(update={"request": request})
 
     async def _enqueue(
         self,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from shared.adapters import AdapterRecord, AdapterStore
 from shared.contract import CONTRACT_VERSION
 from shared.errors import ErrorKind, RelayError
 from shared.job_lifecycle import JobRecord
@@ -60,6 +61,7 @@ class WorkerDirectory:
     def __init__(self, redis: Redis, keys: RedisKeys) -> None:
         self._redis = redis
         self._keys = keys
+        self.adapters = AdapterStore(redis, keys)
         # Model → (reusable until, a reading with a ready worker).
         self._reusable: dict[str, tuple[float, ModelWorkers]] = {}
         # One registry read per model at a time: a burst of requests shares it instead of each
@@ -153,13 +155,28 @@ class WorkerDirectory:
         """The job contract version to write for ``model`` (``ModelWorkers.readable_version``)."""
         return (await self.model_workers(model)).readable_version
 
+    async def adapter_of(self, model: str) -> AdapterRecord | None:
+        """The stored LoRA adapter named ``model``, where no worker serves a model of that name."""
+        try:
+            reading = await self.model_workers(model)
+            if reading.workers:
+                return None
+            return await self.adapters.record(model)
+        except RedisError as exc:
+            raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
+
     async def require_worker(self, model: str) -> None:
         """404 for a model never served here, 503 for one with no ready or loading worker. A model
         whose workers are all loading passes: its job waits queued for one to be ready, for the
-        no-worker grace at most (``api.jobs.orphans``), as every kind of request does."""
+        no-worker grace at most (``api.jobs.orphans``), as every kind of request does. A LoRA
+        adapter's name is its base model's question."""
         try:
             reading = await self.model_workers(model)
             if reading.ready or reading.loading:
+                return
+            adapter = await self.adapters.record(model)
+            if adapter is not None:
+                await self.require_worker(adapter.base)
                 return
             raw = await self._redis.hget(self._keys.models(), model)
         except RedisError as exc:

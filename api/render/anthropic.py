@@ -49,7 +49,7 @@ class _MessageWriter:
 
     def __init__(self, stream: LiveJobEvents) -> None:
         job = stream.job
-        self._id, self._model = message_id(job.job_id), job.request.model
+        self._id, self._model = message_id(job.job_id), job.served_name
         # The start event, with the prompt's size, was read before answering.
         self.result = JobResult(prompt_tokens=stream.prompt_tokens)
 

@@ -13,7 +13,7 @@ def background_summary(job: AnyJob, status: str) -> dict[str, Any]:
         "id": job.job_id,
         "object": "chat.completion",
         "created": job.created,
-        "model": job.model,
+        "model": job.served_name,
         "status": status,
         "choices": [],
     }

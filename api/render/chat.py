@@ -44,7 +44,7 @@ def _choice(index: int, choice: ChoiceState, reasoning_field: str) -> Choice:
 async def collect_completion(stream: JobEvents, reasoning_field: str) -> ChatCompletion:
     """Read the whole stream into a ``chat.completion``; an error event raises RelayError."""
     job = stream.job
-    model, num_choices = job.request.model, job.n
+    model, num_choices = job.served_name, job.n
     result = await collect(stream, JobResult(num_choices))
     if result.usage is None:
         raise RelayError(ErrorKind.INTERNAL, f"job {stream.job_id} ended without usage")

@@ -94,7 +94,7 @@ class ChunkWriter:
 
     def __init__(self, stream: JobEvents, reasoning_field: str) -> None:
         job = stream.job
-        self._id, self._created, self._model = job.job_id, job.created, job.request.model
+        self._id, self._created, self._model = job.job_id, job.created, job.served_name
         self.num_choices = job.n
         self._reasoning_field = reasoning_field
 

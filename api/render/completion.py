@@ -25,7 +25,7 @@ class CompletionWriter:
         job = stream.job
         request = job.request
         assert isinstance(request, Generate) and request.prompts is not None
-        self._id, self._created, self._model = job.job_id, job.created, request.model
+        self._id, self._created, self._model = job.job_id, job.created, request.served_name
         prompts = request.prompts if job.delivery.echo else [""] * len(request.prompts)
         self.prefixes = [str(prompt) for prompt in prompts for _ in range(request.n)]
 

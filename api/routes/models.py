@@ -1,4 +1,5 @@
-"""``GET /v1/models``: the models that have at least one ready or loading worker."""
+"""``GET /v1/models``: the models that have at least one ready or loading worker, and the LoRA
+adapters of those models (``parent``: the model)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ router = APIRouter()
 @router.get("/v1/models", response_model=ModelList, summary="List the models live or loading workers serve")
 async def list_models(request: Request) -> ModelList:
     directory = services_of(request).directory
-    cards = []
+    cards: list[ModelCard] = []
     for record in sorted(await directory.model_records(), key=lambda r: r.model):
         reading = await directory.model_workers(record.model, fresh=True)
         ready, loading = reading.ready, reading.loading
@@ -28,5 +29,12 @@ async def list_models(request: Request) -> ModelList:
                     task=record.task,
                     deterministic=bool(ready) and all(worker.deterministic for worker in ready),
                 )
+            )
+    served = {card.id: card for card in cards}
+    for adapter in await directory.adapters.records():
+        base = served.get(adapter.base)
+        if base is not None and adapter.name not in served:
+            cards.append(
+                base.model_copy(update={"id": adapter.name, "created": int(adapter.created), "parent": adapter.base})
             )
     return ModelList(data=cards)

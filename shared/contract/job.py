@@ -11,6 +11,7 @@ a payload is read exactly or not at all, never misread.
 | 2 | the engine-native request; messages are text only |
 | 3 | chat messages that carry images (``Message.content`` as text and image parts) |
 | 4 | ``Sampling.include_stop_str_in_output`` |
+| 5 | ``Generate.adapter``: a LoRA adapter over the model |
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shared.contract.since import Since
 
-VERSION = 4
+VERSION = 5
 """The version this code writes and the newest it reads."""
 
 
@@ -35,6 +36,7 @@ def _renumbered(data: dict[str, Any], version: int) -> dict[str, Any]:
 UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
     2: lambda data: _renumbered(data, 3),  # 3 adds image parts
     3: lambda data: _renumbered(data, 4),  # 4 adds Sampling.include_stop_str_in_output
+    4: lambda data: _renumbered(data, 5),  # 5 adds Generate.adapter
 }
 
 
@@ -161,10 +163,20 @@ class Generate(_Contract):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     sampling: Sampling = Field(default_factory=Sampling)
     priority: int = Field(default=0, description="0: interactive; 1: batch lines (run with spare capacity).")
+    adapter: Annotated[str | None, Since(5)] = Field(
+        default=None,
+        description="A LoRA adapter of ``model`` (``shared.adapters``) that the worker applies; the name the client "
+        "asked for, which responses name as their model.",
+    )
 
     @property
     def n(self) -> int:
         return self.sampling.n
+
+    @property
+    def served_name(self) -> str:
+        """What the client asked for and responses name: the adapter, else the model."""
+        return self.adapter or self.model
 
     @property
     def images(self) -> list[ImageRef]:
@@ -240,7 +252,7 @@ class Delivery(_Contract):
 
 
 class _Job(_Contract):
-    version: Literal[4] = 4
+    version: Literal[5] = 5
     job_id: str = Field(description="Also the response id, e.g. chatcmpl-… or cmpl-….")
     request_id: str | None = Field(default=None, description="X-Request-Id, for following the job through logs.")
     created: int = Field(description="Unix seconds, the `created` of every chunk.")
@@ -277,7 +289,14 @@ class _Job(_Contract):
 
     @property
     def model(self) -> str:
+        """The model whose workers run it (a LoRA adapter's base model)."""
         return self.request.model  # type: ignore[attr-defined]
+
+    @property
+    def served_name(self) -> str:
+        """The model its responses name: the LoRA adapter it runs on, else its model."""
+        request = self.request  # type: ignore[attr-defined]
+        return request.served_name if isinstance(request, Generate) else self.model
 
     @property
     def n(self) -> int:

@@ -289,6 +289,20 @@ def test_a_field_newer_than_the_reader_is_written_only_at_its_default() -> None:
         encode_job(included, 3)
 
 
+def test_a_jobs_lora_adapter_needs_a_version_5_reader() -> None:
+    """``Generate.adapter`` exists since version 5: a base-model job is written for a version-4
+    worker as it always was; an adapter's job is not (that worker would run the base model)."""
+    wire = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+    plain = make_job(ChatCompletionRequest.model_validate(wire), "r", True)
+    assert "adapter" not in json.loads(encode_job(plain, 4))["request"]
+    generate = _generate(plain).model_copy(update={"adapter": "sql"})
+    adapted = plain.model_copy(update={"request": generate})
+    assert adapted.served_name == "sql" and adapted.model == "m"
+    assert decode_job(encode_job(adapted), encode_delivery(adapted)) == adapted
+    with pytest.raises(ValueError, match="adapter"):
+        encode_job(adapted, 4)
+
+
 def test_versions_outside_the_supported_range_are_neither_read_nor_written() -> None:
     job = _job("chat", V3_JOBS["chat_minimal"]["wire"])
     for version in (OLDEST_VERSION - 1, CONTRACT_VERSION + 1):

@@ -6,6 +6,7 @@ from worker.engine.prefix_state import PrefixLink, PrefixSlot
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduling_state import SchedulingState
 from worker.engine.sequence import EngineRequest, Sequence
+from worker.native.lora import LoraModel
 
 
 class CharDecoder:
@@ -24,13 +25,18 @@ def make_seq(params: SamplingParams | None = None, prompt: list[int] | None = No
 
 class _TextRequest:
     images = None
+    adapter: LoraModel | None = None
 
 
 class RunnerSeq:
     """What the model runner reads of a sequence: its tokens to prefill, its slot, its shared
-    prefix (none by default), and a request without images."""
+    prefix (none by default), and a request without images, on the base model or an adapter."""
 
-    def __init__(self, tokens: list[int], slot: int, prefix_slot: int | None = None, shared_len: int = 0) -> None:
+    def __init__(
+        self, tokens: list[int], slot: int, prefix_slot: int | None = None, shared_len: int = 0,
+        adapter: LoraModel | None = None,
+    ) -> None:  # fmt: skip
         self.sched = SchedulingState(tokens, slot=slot)
         self.prefix = PrefixLink(PrefixSlot(prefix_slot) if prefix_slot is not None else None, shared_len)
         self.request = _TextRequest()
+        self.request.adapter = adapter

@@ -284,7 +284,11 @@ class LLMEngine:
             positions = [seq.sched.num_computed_tokens for seq in running]
             deltas = [seq.request.images.rope_delta if seq.request.images is not None else 0 for seq in running]
             rope_deltas = deltas if any(deltas) else None
-            logits = self.runner.decode(token_ids, positions, [prefix_of(seq) for seq in running], rope_deltas)
+            adapters = [seq.request.adapter for seq in running]
+            logits = self.runner.decode(
+                token_ids, positions, [prefix_of(seq) for seq in running], rope_deltas,
+                adapters if any(adapters) else None,
+            )  # fmt: skip
             if len(decoding) < len(running):
                 logits = logits[[seq.sched.slot for seq in decoding]]
             parts.append(logits)

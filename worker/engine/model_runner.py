@@ -15,6 +15,7 @@ from worker.engine.scheduler import PrefillChunk
 from worker.engine.sequence import Sequence
 from worker.native.decoder import Deepstack, NativeCausalLM
 from worker.native.kv_cache import SharedGroup, SlotKVCache
+from worker.native.lora import LoraModel, LoraStep
 from worker.native.model_config import text_config
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ class StepForward(Protocol):
         inputs_embeds: torch.Tensor | None = None,
         rope_position_ids: torch.Tensor | None = None,
         deepstack: Deepstack | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor: ...
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
@@ -64,8 +66,10 @@ class TransformersForward:
         inputs_embeds: torch.Tensor | None = None,
         rope_position_ids: torch.Tensor | None = None,
         deepstack: Deepstack | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         assert rope_position_ids is None and deepstack is None, "vision-language models run on the native decoder"
+        assert lora is None, "adapters run on the native decoder"
         ids = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         output = self.decoder(
             **ids, position_ids=position_ids, attention_mask=mask, past_key_values=cache, use_cache=True
@@ -100,14 +104,17 @@ class ModelRunner:
         positions: list[int],
         prefixes: Seq[SharedPrefix] | None = None,
         rope_deltas: list[int] | None = None,
+        adapters: list[LoraModel | None] | None = None,
     ) -> torch.Tensor:
         """Rows ``0..len(token_ids)-1``: one token each at ``positions``; returns [rows, vocab] fp32.
         ``prefixes``: each row's shared prefix (``(prefix slot, length)``; length 0: none);
-        ``rope_deltas``: each row's RoPE shift past a multimodal prompt (None: none shifted)."""
+        ``rope_deltas``: each row's RoPE shift past a multimodal prompt (None: none shifted);
+        ``adapters``: each row's LoRA adapter (None: the base model's)."""
         device = self.device
         kv_len = max(positions) + 1
         compiled = self.compiled
-        plain = not any(n for _, n in prefixes or ()) and rope_deltas is None
+        lora = LoraStep.of_rows(adapters, device) if adapters is not None else None
+        plain = not any(n for _, n in prefixes or ()) and rope_deltas is None and lora is None
         if compiled is not None and compiled.runs(len(token_ids), kv_len) and plain:
             return self._softcapped(compiled(token_ids[0], positions[0]))
         position_t = torch.tensor(positions, dtype=torch.long, device=device)
@@ -122,7 +129,9 @@ class ModelRunner:
         if rope_deltas is not None:
             rope = (position_t + torch.tensor(rope_deltas, dtype=torch.long, device=device))[:, None]
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)[:, None]
-        hidden = self.forward.hidden_states(ids, position_t[:, None], mask, self.cache, rope_position_ids=rope)
+        hidden = self.forward.hidden_states(
+            ids, position_t[:, None], mask, self.cache, rope_position_ids=rope, lora=lora
+        )
         return self._logits(hidden[:, 0])
 
     @torch.inference_mode()
@@ -155,7 +164,8 @@ class ModelRunner:
         input_ids = torch.tensor(token_rows, dtype=torch.long, device=device)
         embeds, deepstack = self._with_images(input_ids, chunks)
         rope = self._multimodal_positions(positions, chunks)
-        hidden = self.forward.hidden_states(input_ids, positions, mask, self.cache, embeds, rope, deepstack)
+        lora = LoraStep.of_rows([chunk.seq.request.adapter for chunk in chunks], device)
+        hidden = self.forward.hidden_states(input_ids, positions, mask, self.cache, embeds, rope, deepstack, lora)
         rows = [row for row, chunk in enumerate(chunks) for _ in range(chunk.num_logit_rows)]
         offsets_out = [chunk.length - chunk.num_logit_rows + i for chunk in chunks for i in range(chunk.num_logit_rows)]
         picked = hidden[torch.tensor(rows, device=device), torch.tensor(offsets_out, device=device)]

@@ -17,6 +17,7 @@ from worker.engine.prompt_images import PromptImages
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.sampling_state import SequenceSampling
 from worker.engine.scheduling_state import SchedulingState
+from worker.native.lora import LoraModel
 from worker.parsers.pipeline import TextPipeline
 from worker.structured import CompiledConstraint
 
@@ -57,6 +58,7 @@ class EngineRequest:
     priority: int = 0
     images: PromptImages | None = None  # a chat prompt's images (one prompt, vision models)
     prefix_keys: PrefixKeys | None = None  # the job's placement keys, held while its prompt is cached
+    adapter: LoraModel | None = None  # a LoRA adapter over the base model (worker/native/lora.py)
     next_event_seq: int = 1  # 0 is the start event
     num_finished: int = 0
     num_completion_tokens: int = 0
@@ -114,6 +116,10 @@ class Sequence:
 
     def cache_keys(self, token_ids: list[int]) -> list[int]:
         """What the prefix caches hash for ``token_ids`` (this sequence's prompt, then outputs):
-        the ids themselves, with image placeholders named by their image (``prompt_images.py``)."""
-        images = self.request.images
-        return token_ids if images is None else images.keyed(token_ids)
+        the ids themselves, with image placeholders named by their image (``prompt_images.py``),
+        each combined with the adapter's key where the request has one."""
+        images, adapter = self.request.images, self.request.adapter
+        keys = token_ids if images is None else images.keyed(token_ids)
+        if adapter is not None:  # an adapter's keys and values are its own: never shared with another's
+            keys = [hash((adapter.key, key)) for key in keys]
+        return keys

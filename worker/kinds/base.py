@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from shared.adapters import AdapterRecord, AdapterStore
 from shared.contract import AnyJob, images_of
 from shared.errors import ErrorKind, RelayError
 from shared.events import AnyEvent, StartEvent
@@ -73,9 +74,10 @@ class Answer:
 class JobInputs:
     """What a claimed job stored apart from its payload, read when its kind asks."""
 
-    def __init__(self, lifecycle: JobLifecycle, claim: Claim) -> None:
+    def __init__(self, lifecycle: JobLifecycle, claim: Claim, adapters: AdapterStore | None = None) -> None:
         self._lifecycle = lifecycle
         self.claim = claim
+        self._adapters = adapters
 
     async def images(self, job: AnyJob) -> ImageBytes:
         """The bytes of the images the job names (stored apart from it, see ``ImageRef``)."""
@@ -94,6 +96,22 @@ class JobInputs:
         if pcm is None:
             raise RelayError(ErrorKind.EXPIRED, "The audio of this job expired before a worker took it.")
         return pcm
+
+    async def adapter(self, name: str) -> AdapterRecord:
+        """The stored record of the LoRA adapter the job names (404 once it was unloaded)."""
+        record = None if self._adapters is None else await self._adapters.record(name)
+        if record is None:
+            raise RelayError(
+                ErrorKind.MODEL_NOT_FOUND, f"The adapter `{name}` does not exist (it was unloaded).", "model"
+            )
+        return record
+
+    async def adapter_files(self, record: AdapterRecord) -> tuple[bytes, bytes]:
+        """The adapter's PEFT files, checked against its record's digest."""
+        files = None if self._adapters is None else await self._adapters.files(record)
+        if files is None:
+            raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"The adapter `{record.name}` was unloaded.", "model")
+        return files
 
     async def sent(self) -> list[AnyEvent] | None:
         """The events earlier attempts at the job sent, from its log; None on a first attempt."""
@@ -128,6 +146,9 @@ class Readiness:
     # Where placement keys go that the engine holds no more (prefix keys and the claim time that
     # named each last), called on the engine thread; None for a kind that holds none.
     follow_released_keys: Callable[[Callable[[list[tuple[str, int]]], None]], None] | None = None
+    # LoRA adapters it was started with, for the worker to store in Redis before it is ready:
+    # (name, config file, weights file, rank, targets).
+    adapters_to_store: tuple[tuple[str, bytes, bytes, int, list[str]], ...] = ()
 
 
 class WorkerKind(Protocol[W]):

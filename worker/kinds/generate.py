@@ -13,20 +13,24 @@ from typing import Literal, cast
 
 import torch
 
+from shared.adapters import NAME
 from shared.contract import AnyJob, ChatJob, CompletionJob, TokenizeJob
 from shared.errors import ErrorKind, RelayError
 from shared.events import AnyEvent, DeltaEvent, EndEvent, UsageCounts
 from shared.placement import follows_cache
 from shared.registry import WorkerInfo, WorkerTask
+from worker.adapters.cache import AdapterCache, LocalAdapter, parse_lora_flag, read_local
 from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
 from worker.engine.detokenizer import Decoder
 from worker.engine.engine import KeysReleased, LLMEngine, OutputSink
 from worker.engine.self_test import PassedSelfTests, check_determinism
 from worker.engine.sequence import EngineRequest, PrefixKeys, ResumeState
 from worker.kinds.base import Answer, ImageBytes, JobInputs, Readiness, wrong_task
-from worker.models.loader import LoadedModel, load_model
+from worker.models.loader import LoadedModel, ModelLoadError, load_model
 from worker.native.compiled_decode import CompiledDecode, can_compile
 from worker.native.decoder import NativeCausalLM
+from worker.native.lora import LoraModel
+from worker.native.peft_format import AdapterError
 from worker.requests.params import RequestLimits
 from worker.requests.prepare import chat_prompt_ids, prepare_chat, prepare_completion
 from worker.requests.tooling import ToolingConfig, resolve_tooling
@@ -44,9 +48,15 @@ class GenerationHandler:
         engine: LLMEngine,
         max_tokens_over_context: Literal["clamp", "error"] = "clamp",
         max_n: int | None = None,
+        adapters: AdapterCache | None = None,
+        model_id: str = "",
     ) -> None:
-        """``max_n``: the most choices one request may ask for (the worker's ``--max-num-seqs``)."""
+        """``max_n``: the most choices one request may ask for (the worker's ``--max-num-seqs``);
+        ``adapters``: the LoRA adapters it holds ready (None: it serves none); ``model_id``: the
+        model name jobs and adapters name."""
         self.loaded = loaded
+        self.adapters = adapters
+        self.model_id = model_id
         self.tooling = tooling
         self.engine = engine
         self.max_tokens_over_context = max_tokens_over_context
@@ -74,6 +84,7 @@ class GenerationHandler:
         if not isinstance(job, ChatJob | CompletionJob):
             raise wrong_task(job, "chat and text completions")
         resume = _resume_state(inputs.claim.next_seq, await inputs.sent())
+        adapter = await self._adapter(job.request.adapter, inputs) if job.request.adapter is not None else None
         images = await inputs.images(job)
         limits = RequestLimits(self.max_n, self.max_tokens_over_context)
         if isinstance(job, ChatJob):
@@ -85,12 +96,35 @@ class GenerationHandler:
             completion = functools.partial(prepare_completion, job.job_id, job.request, self.loaded, limits)
             request = await loop.run_in_executor(self._preparer, completion)
         request.resume = resume
+        request.adapter = adapter
         request.priority = job.request.priority
         # The keys its conversation's prompt stands for; affinity names are held whatever is cached.
         cached_keys = tuple(key for key in inputs.claim.prefix_keys if follows_cache(key))
         if cached_keys:
             request.prefix_keys = PrefixKeys(cached_keys, inputs.claim.claimed_ms)
         return request
+
+    async def _adapter(self, name: str, inputs: JobInputs) -> LoraModel:
+        """The job's adapter, ready: held here, else fetched from Redis and made ready (once)."""
+        if self.adapters is None:
+            raise RelayError(ErrorKind.INVALID_REQUEST, "This worker's model serves no LoRA adapters.", "model")
+        record = await inputs.adapter(name)
+        if record.base != self.model_id:
+            message = f"The adapter `{name}` adapts `{record.base}`, not `{self.model_id}`."
+            raise RelayError(ErrorKind.INVALID_REQUEST, message, "model")
+        ready = self.adapters.get(record)
+        if ready is not None:
+            return ready
+        config, weights = await inputs.adapter_files(record)
+        make = functools.partial(self.adapters.make_from_files, record, config, weights)
+        try:
+            ready = await asyncio.get_running_loop().run_in_executor(self._preparer, make)
+        except AdapterError as exc:
+            raise RelayError(
+                ErrorKind.INVALID_REQUEST, f"The adapter `{name}` cannot be served: {exc}", "model"
+            ) from exc
+        logger.info("LoRA adapter %s fetched from Redis and ready (%s)", name, record.sha256[:12])
+        return ready
 
     def tokenize(self, job: TokenizeJob, images: ImageBytes) -> Answer:
         """Its token ids and (detokenizing) their text, in one delta; the engine never sees the job."""
@@ -140,6 +174,8 @@ class GenerateKind:
         self._engine: LLMEngine | None = None
         self._deterministic: bool | None = None
         self._compiled: CompiledDecode | None = None
+        self._adapters: AdapterCache | None = None
+        self._local_adapters: list[LocalAdapter] = []
 
     def start(self) -> LLMEngine:
         s = self.settings
@@ -170,7 +206,30 @@ class GenerateKind:
             logger.info("--deterministic off: speculation is off (it could change the text there)")
         if plan.compiled_step:
             self._compile_decode(loaded, engine)
+        self._ready_adapters(loaded, plan.is_exact)
         return engine
+
+    def _ready_adapters(self, loaded: LoadedModel, exact: bool) -> None:
+        """The adapter cache of a native model, with the ``--lora`` adapters checked and made ready
+        (``ModelLoadError`` for one that cannot be served: the worker does not start half-configured)."""
+        s = self.settings
+        model = loaded.model
+        if not isinstance(model, NativeCausalLM):
+            if s.lora:
+                raise ModelLoadError("--lora needs the native forward (--model-impl native), which this model lacks")
+            return
+        self._adapters = AdapterCache(model, exact, s.max_loras, s.max_lora_rank)
+        try:
+            for name, folder in parse_lora_flag(s.lora):
+                if not NAME.match(name):
+                    raise ValueError(f"--lora: {name!r} is not a usable name (letters, digits, . _ : / -)")
+                local = read_local(name, folder)
+                self._adapters.make(name, local.sha256, local.adapter)
+                self._local_adapters.append(local)
+                logger.info("LoRA adapter %s ready (rank %d, %s)", name, local.adapter.rank,
+                            ", ".join(sorted(local.adapter.targets)))  # fmt: skip
+        except (ValueError, OSError) as exc:  # AdapterError is a ValueError
+            raise ModelLoadError(f"--lora: {exc}") from exc
 
     @property
     def _fair_share_slots(self) -> int:
@@ -183,7 +242,7 @@ class GenerateKind:
         tooling = resolve_tooling(loaded.tokenizer, s.tool_parser, s.reasoning_parser, s.generic_tool_prompt)
         logger.info("tool parser: %s, reasoning parser: %s", tooling.tool_parser, tooling.reasoning_parser)
         max_n = engine.max_running - self._fair_share_slots
-        return GenerationHandler(loaded, tooling, engine, s.max_tokens_over_context, max_n)
+        return GenerationHandler(loaded, tooling, engine, s.max_tokens_over_context, max_n, self._adapters, s.model_id)
 
     def describe(self, info: WorkerInfo) -> Readiness:
         loaded, engine = self._started()
@@ -202,6 +261,9 @@ class GenerateKind:
             follow_released_keys=follow_released_keys,
             speculation_probe=lambda: (engine.num_draft_tokens, engine.num_accepted_tokens),
             fair_share_slots=min(self._fair_share_slots, engine.max_running - 1),
+            adapters_to_store=tuple(
+                (a.name, a.config, a.weights, a.adapter.rank, sorted(a.adapter.targets)) for a in self._local_adapters
+            ),
         )
         if loaded.vision is None:
             return readiness

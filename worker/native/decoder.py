@@ -19,6 +19,7 @@ from torch import nn
 from worker.native import exact
 from worker.native.experts import ExactExperts, SparseMoe
 from worker.native.kv_cache import SharedGroup
+from worker.native.lora import LoraStep
 from worker.native.shared_attention import attend_with_prefixes
 from worker.native.spec import DecoderSpec
 
@@ -130,9 +131,13 @@ class ExactMlp(NamedTuple):
     gate_up: exact.ExactLinear  # post_attention_layernorm fused
     down: exact.ExactLinear  # silu(gate) * up fused
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, lora: LoraStep | None = None, layer: int = 0) -> torch.Tensor:
         """``hidden`` (not yet normalised) plus the MLP's output."""
-        return self.down(self.gate_up(hidden), residual=hidden)
+        gate_up = self.gate_up(hidden)
+        if lora is None:
+            return self.down(gate_up, residual=hidden)
+        gate_up = lora.add(layer, "gate_up", hidden, gate_up)
+        return lora.add(layer, "down", gate_up, self.down(gate_up, residual=hidden))
 
 
 class ExactParts(NamedTuple):
@@ -172,10 +177,14 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         cache: StepCache,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         rows, query_len, _ = hidden.shape
         assert self.qkv_proj is not None, "join_projections() runs at load"
-        qkv = self.qkv_proj(hidden).view(rows, query_len, -1, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            qkv = lora.add(self.layer_idx, "qkv", hidden, qkv)
+        qkv = qkv.view(rows, query_len, -1, self.head_dim)
         query_and_key = qkv[:, :, : self.num_heads + self.num_kv_heads]
         if self.q_norm is not None and self.k_norm is not None:
             query = self.q_norm(query_and_key[:, :, : self.num_heads])
@@ -187,7 +196,7 @@ class Attention(nn.Module):
         key, value = cache.update(key, value, self.layer_idx)
         if cache.shared_groups:
             out = self._attend_with_prefixes(query, key, value, mask, cache)
-            return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
+            return self._project(out.transpose(1, 2).reshape(rows, query_len, -1), lora)
         if rows == 1 and query_len == 1:
             mask = None  # one query at the last position sees every key: SDPA's unmasked path is cheaper
         if query_len == 1 and self.group_size > 1:
@@ -201,7 +210,11 @@ class Attention(nn.Module):
                 key = key.repeat_interleave(self.group_size, dim=1)
                 value = value.repeat_interleave(self.group_size, dim=1)
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scale)
-        return self.o_proj(out.transpose(1, 2).reshape(rows, query_len, -1))
+        return self._project(out.transpose(1, 2).reshape(rows, query_len, -1), lora)
+
+    def _project(self, out: torch.Tensor, lora: LoraStep | None) -> torch.Tensor:
+        projected: torch.Tensor = self.o_proj(out)
+        return projected if lora is None else lora.add(self.layer_idx, "o", out, projected)
 
     def forward_exact(
         self,
@@ -210,13 +223,17 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
         cache: StepCache,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """``hidden`` plus ``forward`` on the exact kernels (``hidden`` not yet normalised:
         ``parts.qkv`` does it; ``parts.o`` adds the residual): every query sees the keys of
         positions ``0..positions[row, t]`` of its row's slot."""
         assert not cache.shared_groups, "the deterministic forward reads prefixes copied into each slot"
         rows, query_len, _ = hidden.shape
-        qkv = parts.qkv(hidden).view(rows, query_len, -1, self.head_dim)
+        qkv = parts.qkv(hidden)
+        if lora is not None:
+            qkv = lora.add(self.layer_idx, "qkv", hidden, qkv)
+        qkv = qkv.view(rows, query_len, -1, self.head_dim)
         query_and_key = qkv[:, :, : self.num_heads + self.num_kv_heads]
         if self.q_norm is not None and self.k_norm is not None:
             query = exact.rms_norm(query_and_key[:, :, : self.num_heads], self.q_norm.weight, self.q_norm.eps)
@@ -227,8 +244,9 @@ class Attention(nn.Module):
         query, key = query_and_key[:, : self.num_heads], query_and_key[:, self.num_heads :]
         value = qkv[:, :, self.num_heads + self.num_kv_heads :].transpose(1, 2)
         key, value = cache.update(key, value, self.layer_idx)
-        out = exact.attention(query, key, value, positions, self.scale)
-        return parts.o(out.view(rows, query_len, -1), residual=hidden)
+        out = exact.attention(query, key, value, positions, self.scale).view(rows, query_len, -1)
+        projected = parts.o(out, residual=hidden)
+        return projected if lora is None else lora.add(self.layer_idx, "o", out, projected)
 
     def _attend_with_prefixes(
         self,
@@ -261,10 +279,15 @@ class MLP(nn.Module):
         self.gate_up_proj = JoinedLinear({"gate_proj": self.gate_proj, "up_proj": self.up_proj})
         del self.gate_proj, self.up_proj
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lora: LoraStep | None = None, layer: int = 0) -> torch.Tensor:
         assert self.gate_up_proj is not None, "join_projections() runs at load"
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(hidden)
+        if lora is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate, up = lora.add(layer, "gate_up", hidden, gate_up).chunk(2, dim=-1)
+        product = F.silu(gate) * up
+        return lora.add(layer, "down", product, self.down_proj(product))
 
 
 class DecoderLayer(nn.Module):
@@ -283,12 +306,19 @@ class DecoderLayer(nn.Module):
         mask: torch.Tensor,
         cache: StepCache,
         positions: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
+        """``lora``: the step's rows by adapter; an adapted MLP is dense (``peft_format.check_fits``)."""
+        index = self.self_attn.layer_idx
         if self.exact is not None:
-            hidden = self.self_attn.forward_exact(self.exact, hidden, rope, positions, cache)
-            return self.exact.mlp(hidden)
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            hidden = self.self_attn.forward_exact(self.exact, hidden, rope, positions, cache, lora)
+            mlp = self.exact.mlp
+            return mlp(hidden, lora, index) if isinstance(mlp, ExactMlp) else mlp(hidden)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, mask, cache, lora)
+        normed = self.post_attention_layernorm(hidden)
+        if isinstance(self.mlp, MLP):
+            return hidden + self.mlp(normed, lora, index)
+        return hidden + self.mlp(normed)
 
 
 class DecoderBody(nn.Module):
@@ -391,17 +421,18 @@ class NativeCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         rope_position_ids: torch.Tensor | None = None,
         deepstack: Deepstack | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """``[rows, query_len]`` ids at ``position_ids`` (same shape: their places in the cache);
         ``mask`` is boolean, broadcastable to ``[rows, heads, query_len, kv_len]``, True where a
         query may attend. ``inputs_embeds``: the ids' embeddings, given where some rows are not
         tokens' (images); ``rope_position_ids``: the positions RoPE rotates by, where they are
         not the cache's (multimodal RoPE, ``[3, rows, query_len]``); ``deepstack``: vision
-        features added after the first layers (Qwen3-VL)."""
+        features added after the first layers (Qwen3-VL); ``lora``: the rows of each adapter (``lora.py``)."""
         hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self._rope(position_ids if rope_position_ids is None else rope_position_ids)
         for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, rope, mask, cache, position_ids)
+            hidden = layer(hidden, rope, mask, cache, position_ids, lora)
             if deepstack is not None and index < len(deepstack.features):
                 hidden = hidden.index_put((deepstack.rows, deepstack.cols), deepstack.features[index], accumulate=True)
         return hidden if self.exact_head is not None else self.model.norm(hidden)

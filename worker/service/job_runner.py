@@ -29,6 +29,7 @@ from typing import Generic
 
 from redis.exceptions import RedisError
 
+from shared.adapters import AdapterStore
 from shared.contract import CONTRACT_VERSION, NewerContract, UnreadableJob, decode_job
 from shared.errors import ErrorKind, RelayError
 from shared.events import ErrorEvent, StartEvent
@@ -72,10 +73,13 @@ class JobRunner(Generic[W]):
         publisher: EventPublisher,
         job_timeout_s: float,
         on_job_left: Callable[[], None] | None = None,
+        adapters: AdapterStore | None = None,
     ) -> None:
         """``on_job_left``: called after leaving a job this worker cannot read in its queue (the
-        consumers pause, so that a worker that reads it takes it)."""
+        consumers pause, so that a worker that reads it takes it); ``adapters``: where jobs'
+        LoRA adapters are stored."""
         self._lifecycle = lifecycle
+        self._adapters = adapters
         self._worker_id = worker_id
         self._model_id = model_id
         self._handler = handler
@@ -147,7 +151,7 @@ class JobRunner(Generic[W]):
         try:
             if job.request.model != self._model_id:
                 raise RelayError(ErrorKind.MODEL_NOT_FOUND, f"this worker serves {self._model_id!r}", "model")
-            prepared = await self._handler.prepare(job, JobInputs(self._lifecycle, claim))
+            prepared = await self._handler.prepare(job, JobInputs(self._lifecycle, claim, self._adapters))
         except Exception as exc:
             if self._is_current(run):
                 await self._end_with(claim, self._refusal(exc, job_id, request_id))

@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from shared.adapters import AdapterStore
 from shared.job_lifecycle import Claim, JobLifecycle
 from shared.log_setup import configure_logging
 from shared.redis import RedisRefused, connect_redis, wait_for_redis
@@ -110,11 +111,14 @@ class WorkerProcess:
             for consumer in consumers:
                 consumer.wake()
 
+        adapters = AdapterStore(self.redis, self.keys)
         runner = JobRunner(
             self.lifecycle, s.worker_id, s.model_id, self.kind.handler(), self.publisher, s.job_timeout_s,
-            on_job_left=pause_consumers,
+            on_job_left=pause_consumers, adapters=adapters,
         )  # fmt: skip
         readiness = self.kind.describe(self.registration.info)
+        for name, config, weights, rank, targets in readiness.adapters_to_store:
+            await adapters.put(name, s.model_id, config, weights, rank, targets)
         consumers.extend(self._consumers(runner, engine, readiness.fair_share_slots))
         self.registration.jobs_probe = lambda: sum(consumer.num_jobs_running for consumer in consumers)
         listener = ControlListener(

@@ -24,6 +24,9 @@ class ModelCard(BaseModel):
     task: str = Field(
         default="generate", description="Extension: generate (chat, completions), embed or transcribe (audio)."
     )
+    parent: str | None = Field(
+        default=None, description="Extension (as vLLM's): the base model of a LoRA adapter; null for a model."
+    )
     deterministic: bool = Field(
         default=False,
         description="Extension: every ready worker of the model (at least one) promises that a greedy or "
