@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 TEST_PROCESSES ?= 2
 CLUSTER_SUITES := tests/e2e/test_chat_openai_client.py tests/e2e/test_batches.py tests/e2e/test_responses_api.py tests/e2e/test_fair_share.py
 
-.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-fairness bench-speculative bench-worker-start bench-batch bench-failover bench-quant bench-kv bench-perplexity bench-moe llama-server clean venv
+.PHONY: serve test docs lint format bench bench-hop bench-audio bench-load bench-scaling bench-placement bench-fairness bench-speculative bench-worker-start bench-batch bench-failover bench-quant bench-kv bench-perplexity bench-moe bench-lora llama-server clean venv
 BENCH_INSTALLED := $(VENV)/.installed-bench
 
 venv: $(INSTALLED)
@@ -118,6 +118,10 @@ bench-perplexity: $(BENCH_INSTALLED) llama-server
 ## A Qwen3-MoE GGUF (Qwen3-30B-A3B's layout scaled down to ~1.6 B random weights, converted by llama.cpp's convert_hf_to_gguf.py and llama-quantize to Q4_K_M, built once under .cache/bench/moe) served by relaylm against llama-server, taking turns (~6 min on 2 cores; ~6 min more the first time, to make the model): decode tok/s at 1 and 32 streams, the worker's RSS against the file's size; bench/results/moe.json.
 bench-moe: $(BENCH_INSTALLED) llama-server
 	$(PY) -m bench.moe_bench $(ARGS)
+
+## LoRA adapters (~4 min on 2 quiet cores): one worker of the default model with 8 PEFT adapters (rank 16, all seven targets, built once under .cache/bench/lora), output tok/s of 32 streams on the base model against 32 spread over it and the adapters (goal ≥ 0.8×), and of one stream on each (goal ≥ 0.9×), taking turns; bench/results/lora.json (ARGS=--quick: a smoke run).
+bench-lora: $(BENCH_INSTALLED)
+	$(PY) -m bench.lora_bench $(ARGS)
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .

@@ -28,6 +28,7 @@ from api.middleware import ApiKeyMiddleware, BodyGuardMiddleware
 from api.request_context import RequestContextMiddleware
 from api.response_store import ResponseStore
 from api.routes import (
+    adapters,
     audio,
     background,
     batches,
@@ -171,6 +172,7 @@ def create_app(settings: ApiSettings) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(models.router)
+    app.include_router(adapters.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
     return app

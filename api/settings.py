@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from shared.adapters import DEFAULT_MAX_BYTES
 from shared.settings import CommonSettings
 
 
@@ -182,6 +183,11 @@ class ApiSettings(CommonSettings):
     )
     max_file_bytes: int = Field(
         default=200 * 2**20, ge=1024, description="Largest file upload (/v1/files); files live in Redis memory."
+    )
+    max_lora_bytes: int = Field(
+        default=DEFAULT_MAX_BYTES,
+        ge=1024,
+        description="Largest LoRA adapter (both files) /v1/load_lora_adapter stores; adapters live in Redis memory.",
     )
     file_retention_s: int = Field(
         default=30 * 24 * 3600, ge=60, description="Files (batch input, output and error files) expire after this."

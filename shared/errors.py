@@ -16,6 +16,7 @@ from typing import Any
 class ErrorKind(StrEnum):
     INVALID_REQUEST = "invalid_request"
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "permission_denied"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     QUEUE_FULL = "queue_full"
     KEY_LIMIT_REACHED = "rate_limit_exceeded"
@@ -47,6 +48,7 @@ class ErrorSpec:
 ERROR_TABLE: dict[ErrorKind, ErrorSpec] = {
     ErrorKind.INVALID_REQUEST: ErrorSpec(400, "invalid_request_error", None),
     ErrorKind.UNAUTHORIZED: ErrorSpec(401, "authentication_error", "invalid_api_key"),
+    ErrorKind.FORBIDDEN: ErrorSpec(403, "permission_error", "permission_denied"),
     ErrorKind.PAYLOAD_TOO_LARGE: ErrorSpec(413, "invalid_request_error", "payload_too_large"),
     ErrorKind.QUEUE_FULL: ErrorSpec(429, "rate_limit_error", "queue_full"),
     ErrorKind.KEY_LIMIT_REACHED: ErrorSpec(429, "rate_limit_error", "rate_limit_exceeded"),

@@ -10,6 +10,11 @@ process; a worker holds the keys of the jobs it claimed (``shared.job_lifecycle`
 prefix cache holds their prompts, and the claim prefers, for a bounded window, the live worker
 that holds a job's longest key.
 
+A job of a LoRA adapter adds the adapter's key after the first message's: the workers that ran
+a job of the adapter hold it ready, so a job that finds no held conversation goes to one of
+them rather than to a worker that must fetch the adapter and make it ready first (a worker holds
+the key as it holds affinity names).
+
 Where messages cannot tell, the client can: a job's ``affinity`` (OpenAI's ``prompt_cache_key``
 or ``user``; in the Responses API, the response it continues and its own) adds a key per name,
 so a conversation's second turn finds the worker of its first even when the first was one
@@ -41,6 +46,11 @@ def follows_cache(key: str) -> bool:
     return not key.startswith(AFFINITY_MARK)
 
 
+def adapter_key(model: str, adapter: str) -> str:
+    """The key of the workers that claimed a job of a LoRA adapter (they made it ready then)."""
+    return AFFINITY_MARK + _digest(json.dumps([model, adapter]), "adapter")
+
+
 def prefix_keys(job: AnyJob) -> list[str]:
     """The job's keys: its first message's, its affinity names', then those of its longer
     prefixes in order; none for a job without chat messages."""
@@ -66,6 +76,8 @@ def prefix_keys(job: AnyJob) -> list[str]:
         keys.append(chain)
     names = job.affinity[: MAX_KEYS // 2]
     named = [AFFINITY_MARK + _digest(json.dumps([generate.model, job.tenant, name]), "affinity") for name in names]
+    if generate.adapter is not None:  # the workers that served the adapter hold it ready: tried after the names
+        named.insert(0, adapter_key(generate.model, generate.adapter))
     room = MAX_KEYS - len(named)
     longer = keys[1:] if len(keys) <= room else keys[-(room - 1) :]
     return [keys[0], *named, *longer]

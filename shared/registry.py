@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from shared.adapter_files import ModelShapes
+
 WorkerState = Literal["loading", "ready", "draining"]
 WorkerTask = Literal["generate", "embed", "transcribe"]
 WorkerLanes = Literal["all", "interactive", "batch"]
@@ -64,6 +66,11 @@ class WorkerInfo(BaseModel):
         default=False,
         description="A request's text depends on the request alone here: exact kernels, and its load-time "
         "self-test (alone, batched, cached, other thread counts) passed.",
+    )
+    lora: ModelShapes | None = Field(
+        default=None,
+        description="What a LoRA adapter of its model must fit (projection shapes, the largest rank it serves); "
+        "None: it serves no adapters.",
     )
     english_only: bool = Field(
         default=False,

@@ -213,10 +213,11 @@ def test_housekeeping_is_started_by_the_app_not_by_a_feature() -> None:
 def test_jobs_start_through_one_client_and_end_in_one_result_store() -> None:
     """Every job is created by ``JobClient``, which checks for a live worker once; the other
     checks are of what a request needs before its job exists (the model takes images, it
-    transcribes). Background results are kept and read by ``ResultStore`` alone."""
+    transcribes), or before a LoRA adapter is stored (its base model is served). Background
+    results are kept and read by ``ResultStore`` alone."""
     assert {m for m in _modules_calling("create", "lifecycle") if m.startswith("api.")} == {"api.jobs.client"}
     assert _modules_calling("require_worker", "directory") == {
-        "api.jobs.client", "api.images.request", "api.routes.audio"
+        "api.jobs.client", "api.images.request", "api.routes.audio", "api.routes.adapters"
     }  # fmt: skip
     assert {m for m in _modules_naming("ended_job") if m.startswith(("api.", "shared."))} == {
         "api.jobs.results", "shared.job_lifecycle", "shared.redis_keys"

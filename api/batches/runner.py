@@ -145,6 +145,7 @@ class BatchRunner:
             await self._fail(batch, [("missing_file", f"The input file `{batch.input_file_id}` no longer exists.")])
             return
         known = {record.model for record in await self._directory.model_records()}
+        known |= {adapter.name for adapter in await self._directory.adapters.records()}
         checked = validate_batch_file(content, batch.endpoint, self._settings.batch_max_requests, known.__contains__)
         if checked.errors:
             batch.errors = BatchErrors(data=checked.errors[:100])
@@ -190,7 +191,6 @@ class BatchRunner:
         if not numbers:
             return
         assert batch.model is not None
-        queue = keys.batch_queue(batch.model)
         for number, line in (await self._lines(batch, numbers)).items():
             request_id = f"{batch.id}-{number}"
             try:
@@ -198,7 +198,7 @@ class BatchRunner:
                 job = make_job(request, request_id, is_ours=True, tenant=batch.tenant, priority=BATCH)  # type: ignore[arg-type]
                 # An advance cut short after the enqueue but before the trim must not run a line twice.
                 if await self._lifecycle.record(job.job_id) is None:
-                    await self._client.batch_line(job, queue)
+                    await self._client.batch_line(job)
             except RedisError:
                 raise
             except Exception as exc:

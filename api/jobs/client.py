@@ -103,10 +103,11 @@ class JobClient:
             raise RelayError(ErrorKind.REDIS_UNAVAILABLE, "Redis is not answering; try again shortly") from exc
         log_transition(logger, "queued", job.job_id, job.request_id, model=job.model, detached=True)
 
-    async def batch_line(self, job: AnyJob, queue: str) -> None:
-        """Queue a batch line in its batch ``queue``, under no queue limit and outside its key's
-        (a batch's lines are limited when the batch is created); the batch runner collects it."""
-        await self._enqueue(job, queue, limit=0, counts_for_key=False)
+    async def batch_line(self, job: AnyJob) -> None:
+        """Queue a batch line in its model's batch queue, under no queue limit and outside its
+        key's (a batch's lines are limited when the batch is created); the batch runner collects it."""
+        job = await self._on_base(job)
+        await self._enqueue(job, self.keys.batch_queue(job.model), limit=0, counts_for_key=False)
         log_transition(logger, "queued", job.job_id, job.request_id, model=job.model, detached=True)
 
     async def _on_base(self, job: AnyJob) -> AnyJob:

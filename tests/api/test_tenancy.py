@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from tests.conftest import TINY_MODEL, make_stack
+from tests.support.adapters import write_peft_adapter
 from tests.support.stack import Stack
 
 KEY_A = "sk-tenant-a-0123456789"
@@ -198,3 +199,17 @@ def test_a_key_past_its_batch_line_limit_gets_429_and_others_are_served(tenants:
         assert _create_batch(b, _upload(b, 4)).status_code == 200
         assert _wait_batch(a, first.json()["id"])["status"] == "completed"
         assert _create_batch(a, second_file).status_code == 200
+
+
+def test_only_admin_keys_load_and_unload_lora_adapters(tenants: Stack, tiny_model_path: Path, tmp_path: Path) -> None:
+    folder = write_peft_adapter(tiny_model_path, tmp_path / "tenant-tone", seed=1)
+    body = {"lora_name": "tenant-tone", "lora_path": str(folder)}
+    with _client(tenants, KEY_A) as client, _client(tenants, ADMIN) as admin:
+        refused = client.post("/v1/load_lora_adapter", json=body)
+        assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+        assert admin.post("/v1/load_lora_adapter", json=body).status_code == 200
+        # Any key may use it: it is a model now.
+        answer = client.post("/v1/chat/completions", json=_chat(model="tenant-tone"))
+        assert answer.status_code == 200 and answer.json()["model"] == "tenant-tone"
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "tenant-tone"}).status_code == 403
+        assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "tenant-tone"}).status_code == 200

@@ -45,6 +45,19 @@ def _text(data: list[str]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
 
 
+def stream_killing_its_worker(stack: Stack, body: dict[str, object], after: int = 5) -> list[str]:
+    """A chat stream's data lines, its worker SIGKILLed after the ``after``-th (another continues it)."""
+    data: list[str] = []
+    with httpx.stream(
+        "POST", f"{stack.base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=120
+    ) as response:
+        for _, payload in _events(response):
+            data.append(payload)
+            if len(data) == after:
+                stack.worker_of(json.loads(payload)["id"]).popen.send_signal(signal.SIGKILL)
+    return data
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 1234}], ids=["greedy", "seeded"])
 def test_a_killed_workers_stream_continues_on_the_other_without_gap_or_repeat(
     two_workers: Stack, sampling: dict[str, object]

@@ -4,8 +4,6 @@ another with the text it would have had (greedy and seeded)."""
 
 from __future__ import annotations
 
-import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import httpx
 import pytest
 
 from tests.conftest import make_stack
-from tests.e2e.test_fault_tolerance import _events, _text
+from tests.e2e.test_fault_tolerance import _text, stream_killing_its_worker
 from tests.support.qwen import tiny_qwen3_moe_gguf
 from tests.support.stack import Stack
 from worker.native import exact
@@ -63,14 +61,6 @@ def test_a_killed_workers_moe_stream_continues_with_the_same_text(
     }  # fmt: skip
     undisturbed = httpx.post(f"{moe_workers.base_url}/v1/chat/completions", json=body, timeout=120)
     expected = undisturbed.json()["choices"][0]["message"]["content"]
-    data: list[str] = []
-    with httpx.stream(
-        "POST", f"{moe_workers.base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=120
-    ) as response:
-        for _, payload in _events(response):
-            data.append(payload)
-            if len(data) == 5:
-                victim = moe_workers.worker_of(json.loads(payload)["id"])
-                victim.popen.send_signal(signal.SIGKILL)
+    data = stream_killing_its_worker(moe_workers, body)
     assert data[-1] == "[DONE]"
     assert _text(data) == expected

@@ -1,5 +1,5 @@
 """LoRA adapters in the native decoder against transformers + PEFT (fp32), on the tiny test
-model with adapters PEFT itself wrote: the same logits for adapted rows beside base rows (library
+model and the default model with adapters PEFT itself wrote: the same logits for adapted rows beside base rows (library
 kernels); on the exact kernels the same bits for a row alone or in a batch mixed with the base
 model and another adapter, within the exact kernels' own distance of PEFT; and what is not
 served, refused by the field that asks for it."""
@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
+from shared.adapter_files import AdapterError, Update
 from tests.support.adapters import peft_reference, write_peft_adapter
-from tests.support.models import tiny_random_llama_dir
+from tests.support.models import default_model_dir, tiny_random_llama_dir
 from tests.worker.engine_helpers import RunnerSeq, make_seq
 from worker.adapters.for_model import for_model
 from worker.engine.model_runner import ModelRunner
@@ -25,7 +26,7 @@ from worker.native.deterministic import make_exact
 from worker.native.kv_cache import KVCacheLayout, SlotKVCache
 from worker.native.loader import load_native
 from worker.native.lora import LoraModel
-from worker.native.peft_format import AdapterError, PeftAdapter, read_peft
+from worker.native.peft_format import LoraPair, PeftAdapter, read_peft
 from worker.native.spec import read_decoder_spec
 
 PROMPTS = [list(range(100, 120)), list(range(300, 311)), list(range(50, 80))]
@@ -102,11 +103,17 @@ def test_exact_kernels_give_a_row_the_same_bits_whatever_shares_its_batch(adapte
     model = _model(torch.bfloat16, exact=True)
     first, second = _ready(model, adapters["all"]), _ready(model, adapters["qv"])
     alone = _run(model, [(PROMPTS[0], first)])
+    second_alone = _run(model, [(PROMPTS[2], second)])
     base_alone = _run(model, [(PROMPTS[1], None)])
-    mixed = _run(model, [(PROMPTS[1], None), (PROMPTS[0], first), (PROMPTS[2], second)])
-    for step in (0, 1):
-        assert torch.equal(mixed[step][1], alone[step][0])
-        assert torch.equal(mixed[step][0], base_alone[step][0])  # the base model's bits, untouched
+    # Each adapter's slice of the joined update sits first in one batch and second in the other.
+    for rows in ([(PROMPTS[1], None), (PROMPTS[0], first), (PROMPTS[2], second)],
+                 [(PROMPTS[2], second), (PROMPTS[1], None), (PROMPTS[0], first)]):  # fmt: skip
+        mixed = _run(model, rows)
+        at = {id(adapter): row for row, (_, adapter) in enumerate(rows)}
+        for step in (0, 1):
+            assert torch.equal(mixed[step][at[id(first)]], alone[step][0])
+            assert torch.equal(mixed[step][at[id(second)]], second_alone[step][0])
+            assert torch.equal(mixed[step][at[id(None)]], base_alone[step][0])  # the base model's bits, untouched
     # As close to PEFT's fp32 numbers as the exact kernels hold the base model to its own.
     base_error = (
         (_run(model, [(PROMPTS[0], None)])[0][0] - _peft_logits(adapters["all"], PROMPTS[0], adapted=False)[0])
@@ -159,13 +166,11 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused(adapters: dict[str, P
     with pytest.raises(AdapterError, match="over this server's --max-lora-rank 4") as refused:
         for_model(model, "all", "0" * 64, adapter, max_rank=4, exact=False)
     assert refused.value.field == "r"
-    wider = {
-        key: (pair.a, torch.zeros(pair.b.shape[0] * 2, pair.rank)) for key, pair in list(adapter.pairs.items())[:1]
-    }
-    (layer, target), (a, b) = next(iter(wider.items()))
-    misfit = PeftAdapter(
-        8, frozenset({target}), {(layer, target): type(adapter.pairs[(layer, target)])(a, b, 1.0)}, None
-    )
+    (layer, target), pair = next(iter(adapter.pairs.items()))
+    wider = torch.zeros(pair.b.shape[0] * 2, pair.rank)
+    update = Update("a", "b", pair.rank, pair.a.shape[1], wider.shape[0])
+    pairs = {(layer, target): LoraPair(pair.a, wider, 1.0)}
+    misfit = PeftAdapter(8, frozenset({target}), {(layer, target): update}, pairs)
     with pytest.raises(AdapterError, match="another base model"):
         for_model(model, "misfit", "0" * 64, misfit, max_rank=64, exact=False)
     stray = save_safetensors({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)})
@@ -173,3 +178,32 @@ def test_an_adapter_that_does_not_fit_the_model_is_refused(adapters: dict[str, P
         read_peft(config, stray)
     with pytest.raises(AdapterError, match="not a safetensors file"):
         read_peft(config, b"not safetensors")
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_the_default_model_with_adapters_gives_pefts_logits_and_keeps_its_bits_in_a_batch(tmp_path: Path) -> None:
+    """Rank 16 on every target of SmolLM2-135M: the library forward (fp32) within 1e-3 of PEFT's
+    logits; the exact forward gives an adapted row the same bits beside the base model and another
+    adapter, as close to PEFT as it holds the base model."""
+    base = default_model_dir()
+    first = write_peft_adapter(base, tmp_path / "first", seed=1, rank=16)
+    second = write_peft_adapter(base, tmp_path / "second", seed=2, rank=16, targets=("q_proj", "v_proj"))
+    reference = peft_reference(base, first)
+    prompt = PROMPTS[0]
+    with torch.inference_mode():
+        ids = torch.tensor([[*prompt, 5]])
+        expected = reference(ids).logits[0, -2:]
+        with reference.disable_adapter():
+            expected_base = reference(ids).logits[0, -2:]
+    library = load_native(read_decoder_spec(base), torch.float32, torch.device("cpu"))
+    prefill, decode = _run(library, [(prompt, _ready(library, first)), (PROMPTS[1], None)])
+    torch.testing.assert_close(torch.stack([prefill[0], decode[0]]), expected, atol=1e-3, rtol=1e-3)
+    exact_model = load_native(read_decoder_spec(base), torch.bfloat16, torch.device("cpu"))
+    make_exact(exact_model, {}, "int8")
+    adapted, other = _ready(exact_model, first), _ready(exact_model, second)
+    alone = _run(exact_model, [(prompt, adapted)])
+    mixed = _run(exact_model, [(PROMPTS[1], None), (PROMPTS[2], other), (prompt, adapted)])
+    assert torch.equal(mixed[0][2], alone[0][0]) and torch.equal(mixed[1][2], alone[1][0])
+    base_error = (_run(exact_model, [(prompt, None)])[0][0] - expected_base[0]).abs().max()
+    assert (alone[0][0] - expected[0]).abs().max() <= 2 * base_error + 1e-3

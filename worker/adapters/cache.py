@@ -10,13 +10,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.adapter_files import CONFIG_FILE, WEIGHTS_FILE
 from shared.adapters import AdapterRecord, digest
 from worker.adapters.for_model import for_model
 from worker.native.decoder import NativeCausalLM
 from worker.native.lora import LoraModel
 from worker.native.peft_format import PeftAdapter, read_peft
-
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)

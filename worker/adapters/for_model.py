@@ -3,9 +3,10 @@ kernels the model's own matmuls run on."""
 
 from __future__ import annotations
 
+from shared.adapter_files import check_fits
 from worker.native.decoder import NativeCausalLM
-from worker.native.lora import LayerNorms, LoraModel, prepare, target_shapes
-from worker.native.peft_format import PeftAdapter, check_fits
+from worker.native.lora import LayerNorms, LoraModel, model_shapes, prepare
+from worker.native.peft_format import PeftAdapter
 
 
 def for_model(
@@ -13,7 +14,7 @@ def for_model(
 ) -> LoraModel:
     """``AdapterError`` where ``adapter`` does not fit ``model``; ``exact``: the execution plan's
     numerics are the exact kernels' (the updates then run on them too)."""
-    check_fits(adapter, target_shapes(model.config), max_rank)
+    check_fits(adapter.updates, model_shapes(model.config, max_rank))
     norms = None
     if exact:
         norms = [

@@ -15,7 +15,7 @@ from worker.engine.scheduler import PrefillChunk
 from worker.engine.sequence import Sequence
 from worker.native.decoder import Deepstack, NativeCausalLM
 from worker.native.kv_cache import SharedGroup, SlotKVCache
-from worker.native.lora import LoraModel, LoraStep
+from worker.native.lora import JoinCache, LoraModel, LoraStep
 from worker.native.model_config import text_config
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ class ModelRunner:
         self.vocab_size: int = config.vocab_size
         self._logit_softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self.compiled: CompiledDecode | None = None  # one stream's step, compiled (set by the worker)
+        self.lora_joins = JoinCache()  # LoRA adapters' updates joined, by the set a step holds
 
     @torch.inference_mode()
     def decode(
@@ -113,7 +114,7 @@ class ModelRunner:
         device = self.device
         kv_len = max(positions) + 1
         compiled = self.compiled
-        lora = LoraStep.of_rows(adapters, device) if adapters is not None else None
+        lora = LoraStep.of_rows(adapters, device, self.lora_joins) if adapters is not None else None
         plain = not any(n for _, n in prefixes or ()) and rope_deltas is None and lora is None
         if compiled is not None and compiled.runs(len(token_ids), kv_len) and plain:
             return self._softcapped(compiled(token_ids[0], positions[0]))
@@ -164,7 +165,7 @@ class ModelRunner:
         input_ids = torch.tensor(token_rows, dtype=torch.long, device=device)
         embeds, deepstack = self._with_images(input_ids, chunks)
         rope = self._multimodal_positions(positions, chunks)
-        lora = LoraStep.of_rows([chunk.seq.request.adapter for chunk in chunks], device)
+        lora = LoraStep.of_rows([chunk.seq.request.adapter for chunk in chunks], device, self.lora_joins)
         hidden = self.forward.hidden_states(input_ids, positions, mask, self.cache, embeds, rope, deepstack, lora)
         rows = [row for row, chunk in enumerate(chunks) for _ in range(chunk.num_logit_rows)]
         offsets_out = [chunk.length - chunk.num_logit_rows + i for chunk in chunks for i in range(chunk.num_logit_rows)]

@@ -13,6 +13,7 @@ from typing import Literal, cast
 
 import torch
 
+from shared.adapter_files import AdapterError
 from shared.adapters import NAME
 from shared.contract import AnyJob, ChatJob, CompletionJob, TokenizeJob
 from shared.errors import ErrorKind, RelayError
@@ -29,8 +30,7 @@ from worker.kinds.base import Answer, ImageBytes, JobInputs, Readiness, wrong_ta
 from worker.models.loader import LoadedModel, ModelLoadError, load_model
 from worker.native.compiled_decode import CompiledDecode, can_compile
 from worker.native.decoder import NativeCausalLM
-from worker.native.lora import LoraModel
-from worker.native.peft_format import AdapterError
+from worker.native.lora import LoraModel, model_shapes
 from worker.requests.params import RequestLimits
 from worker.requests.prepare import chat_prompt_ids, prepare_chat, prepare_completion
 from worker.requests.tooling import ToolingConfig, resolve_tooling
@@ -254,6 +254,9 @@ class GenerateKind:
             engine.on_keys_released = released
 
         info.speculative = "ngram" if engine.drafter is not None else "off"
+        if self._adapters is not None:
+            assert isinstance(loaded.model, NativeCausalLM), "adapters run on the native decoder"
+            info.lora = model_shapes(loaded.model.config, self.settings.max_lora_rank)
         readiness = Readiness(
             loaded.max_model_len,
             loaded.source,

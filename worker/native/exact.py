@@ -190,6 +190,42 @@ def matmul(
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class LoraWeights:
+    """Several LoRA adapters' factors at one projection, for ``lora_grouped``: ``a[g]`` ``[width,
+    in]`` and ``b[g]`` ``[out, width]``, 8-bit, each adapter's ``width`` a multiple of 32."""
+
+    a: tuple[PackedWeight, ...]
+    b: tuple[PackedWeight, ...]
+    widths: torch.Tensor
+
+    @classmethod
+    def of(cls, a: list[PackedWeight], b: list[PackedWeight]) -> LoraWeights:
+        assert all(w.bits == 8 and w.zero == 128 and w.mins is None for w in [*a, *b])
+        return cls(tuple(a), tuple(b), torch.tensor([w.out_features for w in a]))
+
+
+def lora_grouped(
+    x: torch.Tensor,
+    group: torch.Tensor,
+    weights: LoraWeights,
+    y: torch.Tensor,
+    *,
+    prologue: int = PROLOGUE_NONE,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    scalar: bool = False,
+) -> torch.Tensor:
+    """``y`` with each row's update added: ``y[r] + B_g (A_g prologue(x[r]))``, ``g = group[r]``
+    (-1: ``y[r]`` as it is). ``A_g x`` is ``matmul``'s with an fp32 output, then quantized as
+    ``matmul``'s input; the sum with ``y`` is rounded once to ``y``'s dtype (``x``'s). A row's
+    values depend on that row alone."""
+    return _ops().lora_grouped(
+        x, prologue, norm_weight, eps, group, [w.data for w in weights.a], [w.scales for w in weights.a],
+        [w.data for w in weights.b], [w.scales for w in weights.b], weights.widths, y, scalar,
+    )  # fmt: skip
+
+
 def attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, scale: float,
     scalar: bool = False,

@@ -16,14 +16,16 @@ adapter are not touched: the base model's bits are the same beside adapters as w
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from shared.adapter_files import ModelShapes
 from worker.native import exact
-from worker.native.peft_format import LoraPair, PeftAdapter, TargetShapes
+from worker.native.peft_format import LoraPair, PeftAdapter
 from worker.native.spec import DecoderSpec
 
 Site = Literal["qkv", "o", "gate_up", "down"]
@@ -35,7 +37,8 @@ SITE_PARTS: dict[Site, tuple[str, ...]] = {
 }
 
 
-def target_shapes(spec: DecoderSpec) -> TargetShapes:
+def model_shapes(spec: DecoderSpec, max_rank: int) -> ModelShapes:
+    """What an adapter of this model must fit (``max_rank``: the worker's ``--max-lora-rank``)."""
     q_width, kv_width = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
     hidden, inner = spec.hidden_size, spec.intermediate_size
     shapes = {
@@ -43,33 +46,34 @@ def target_shapes(spec: DecoderSpec) -> TargetShapes:
         "o_proj": (q_width, hidden), "gate_proj": (hidden, inner), "up_proj": (hidden, inner),
         "down_proj": (inner, hidden),
     }  # fmt: skip
-    sparse = spec.moe.sparse_layers if spec.moe is not None else frozenset()
-    return TargetShapes(spec.num_hidden_layers, shapes, sparse)
+    sparse = sorted(spec.moe.sparse_layers) if spec.moe is not None else []
+    return ModelShapes(num_layers=spec.num_hidden_layers, shapes=shapes, sparse_layers=sparse, max_rank=max_rank)
 
 
-class LibraryUpdate(NamedTuple):
-    """A site's update on the library kernels, in the model's dtype: ``x`` is the normalised
-    input (or the SwiGLU product) the base matmul read."""
-
-    a: torch.Tensor  # [rank, in]
-    b: torch.Tensor  # [out, rank], scaling folded in
-
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.a), self.b)
+WIDTH = exact.GROUP
+"""Every adapter's rank is padded to a multiple of this in a joined update (zero rows of ``A``,
+zero columns of ``B``): then each of the exact kernels' input groups of ``B`` holds one adapter's
+columns alone, so an adapter's part of a joined update is computed as it is alone."""
 
 
-class ExactUpdate(NamedTuple):
-    """A site's update on the exact kernels, fp32: ``x`` is what the base exact matmul read
-    (before its prologue)."""
+@dataclass(frozen=True)
+class Part:
+    """One adapter's update at one site of one layer, padded to ``width`` (a multiple of ``WIDTH``):
+    ``A`` ``[width, in]`` and ``B`` ``[out, width]`` (scaling folded in), as floats in the model's
+    dtype for the library kernels, or packed for the exact ones (then with the prologue of the
+    base matmul beside it)."""
 
-    a: exact.ExactLinear
-    b: exact.ExactLinear
+    width: int
+    a: torch.Tensor | exact.PackedWeight
+    b: torch.Tensor | exact.PackedWeight
+    prologue: int = exact.PROLOGUE_NONE
+    norm: tuple[torch.Tensor, float] | None = None
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(x))
-
-
-Update = LibraryUpdate | ExactUpdate
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            w.nbytes if isinstance(w, exact.PackedWeight) else w.numel() * w.element_size() for w in (self.a, self.b)
+        )
 
 
 def _joined(pairs: dict[str, LoraPair], parts: tuple[str, ...], outs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,13 +86,21 @@ def _joined(pairs: dict[str, LoraPair], parts: tuple[str, ...], outs: list[int])
     return a, torch.block_diag(*blocks)
 
 
-@dataclass(frozen=True)
+def _padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    rank = a.shape[0]
+    width = -(-rank // WIDTH) * WIDTH
+    a = torch.cat([a, a.new_zeros(width - rank, a.shape[1])])
+    b = torch.cat([b, b.new_zeros(b.shape[0], width - rank)], dim=1)
+    return a, b, width
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed as the object it is
 class LoraModel:
     """An adapter made ready for one model: each layer's updates by site (absent: not adapted)."""
 
     name: str
     key: int  # what the prefix caches mix into an adapted prompt's hashes (from the adapter's digest)
-    layers: tuple[dict[Site, Update], ...]
+    layers: tuple[dict[Site, Part], ...]
     nbytes: int
 
 
@@ -106,63 +118,172 @@ def prepare(
 ) -> LoraModel:  # fmt: skip
     """``adapter`` (whose files' SHA-256 is ``digest``) as ``LoraModel`` for a model of ``spec``;
     ``norms`` given: on the exact kernels."""
-    shapes = target_shapes(spec).shapes
-    layers: list[dict[Site, Update]] = []
-    nbytes = 0
+    shapes = model_shapes(spec, 0).shapes
+    layers: list[dict[Site, Part]] = []
     for index in range(spec.num_hidden_layers):
-        sites: dict[Site, Update] = {}
+        sites: dict[Site, Part] = {}
         for site, parts in SITE_PARTS.items():
             pairs = {part: adapter.pairs[(index, part)] for part in parts if (index, part) in adapter.pairs}
             if not pairs:
                 continue
-            a, b = _joined(pairs, parts, [shapes[part][1] for part in parts])
+            a, b, width = _padded(*_joined(pairs, parts, [shapes[part][1] for part in parts]))
             if norms is None:
-                library = LibraryUpdate(a.to(dtype).contiguous(), b.to(dtype).contiguous())
-                sites[site] = library
-                nbytes += (a.numel() + b.numel()) * library.b.element_size()
+                sites[site] = Part(width, a.to(dtype).contiguous(), b.to(dtype).contiguous())
                 continue
-            prologue, norm_weight, eps = exact.PROLOGUE_NONE, None, 0.0
+            prologue, norm = exact.PROLOGUE_NONE, None
             if site in ("qkv", "gate_up"):
-                norm_weight, eps = norms[index].attention if site == "qkv" else norms[index].mlp
-                prologue = exact.PROLOGUE_RMS_NORM
+                norm, prologue = norms[index].attention if site == "qkv" else norms[index].mlp, exact.PROLOGUE_RMS_NORM
             elif site == "down":
                 prologue = exact.PROLOGUE_SILU_MUL
-            packed_a, packed_b = exact.pack_int8(a), exact.pack_int8(b)
-            sites[site] = ExactUpdate(
-                exact.ExactLinear(packed_a, None, prologue, norm_weight, eps, out_float32=True),
-                exact.ExactLinear(packed_b, None, out_float32=True),
-            )
-            nbytes += packed_a.nbytes + packed_b.nbytes
+            sites[site] = Part(width, exact.pack_int8(a), exact.pack_int8(b), prologue, norm)
         layers.append(sites)
+    nbytes = sum(part.nbytes for sites in layers for part in sites.values())
     return LoraModel(name, int(digest[:15], 16), tuple(layers), nbytes)
 
 
-class LoraStep:
-    """A step's rows by adapter: ``groups`` pairs an adapter with the row indices (a tensor) it
-    serves; rows in no group are the base model's."""
+@dataclass(frozen=True)
+class JoinedSite:
+    """The updates of several adapters at one site of one layer, each adapter's rank-wide slice
+    of ``A x`` side by side (``slices``). On the library kernels: their ``A`` one after another
+    (``[sum of widths, in]``) and their ``B`` side by side (``[out, sum of widths]``), a row
+    keeping only its own slice before ``B``. On the exact kernels: each row through its own
+    adapter's ``A`` and ``B`` alone (``exact.lora_grouped``), as it would be computed alone."""
 
-    def __init__(self, groups: list[tuple[LoraModel, torch.Tensor]]) -> None:
-        self.groups = groups
+    members: tuple[int, ...]  # indices into the step's adapters, in slice order
+    slices: tuple[tuple[int, int], ...]  # (start, width) of each member's slice
+    width: int
+    a: exact.LoraWeights | torch.Tensor
+    b: torch.Tensor | None  # the library's; the exact kernels' factors are all in ``a``
+    prologue: int = exact.PROLOGUE_NONE
+    norm: tuple[torch.Tensor, float] | None = None
 
     @classmethod
-    def of_rows(cls, adapters: list[LoraModel | None], device: torch.device) -> LoraStep | None:
+    def of(cls, parts: list[tuple[int, Part]]) -> JoinedSite:
+        members = tuple(index for index, _ in parts)
+        starts = [0]
+        for _, part in parts:
+            starts.append(starts[-1] + part.width)
+        slices = tuple((start, part.width) for start, (_, part) in zip(starts, parts, strict=False))
+        width, first = starts[-1], parts[0][1]
+        if isinstance(first.a, torch.Tensor):
+            a = torch.cat([part.a for _, part in parts])  # type: ignore[misc]
+            b = torch.cat([part.b for _, part in parts], dim=1)  # type: ignore[misc]
+            return cls(members, slices, width, a, b)
+        factors = exact.LoraWeights.of([part.a for _, part in parts], [part.b for _, part in parts])  # type: ignore[misc]
+        return cls(members, slices, width, factors, None, first.prologue, first.norm)
+
+    def added(self, x: torch.Tensor, y: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """``y`` plus each row's update of ``x``, in ``y``'s dtype. On the exact kernels the sum is
+        the kernel's epilogue, ``y + B t`` in fp32, rounded once."""
+        if isinstance(self.a, torch.Tensor):
+            assert self.b is not None
+            xs, ys = (x, y) if plan.rows is None else (x[plan.rows], y[plan.rows])
+            low = F.linear(xs, self.a)
+            added = ys + F.linear(low if plan.mask is None else low * plan.mask.to(low.dtype), self.b)
+            if plan.rows is None:
+                return added
+            y[plan.rows] = added
+            return y
+        assert isinstance(self.a, exact.LoraWeights)
+        group = plan.group if x.dim() < 3 or x.shape[1] == 1 else plan.group.repeat_interleave(x.shape[1])
+        norm_weight, eps = self.norm if self.norm is not None else (None, 0.0)
+        return exact.lora_grouped(x, group, self.a, y, prologue=self.prologue, norm_weight=norm_weight, eps=eps)
+
+
+class JoinCache:
+    """Joined updates by the set of adapters a step holds, for the last few sets (a set changes
+    when a request of a new adapter arrives or the last of one ends, not every step)."""
+
+    def __init__(self, max_sets: int = 4) -> None:
+        self.max_sets = max_sets
+        self._sets: OrderedDict[tuple[int, ...], dict[tuple[int, Site], JoinedSite | None]] = OrderedDict()
+
+    def joined(self, adapters: tuple[LoraModel, ...]) -> dict[tuple[int, Site], JoinedSite | None]:
+        key = tuple(id(adapter) for adapter in adapters)
+        found = self._sets.get(key)
+        if found is None:
+            found = self._sets[key] = {}
+            while len(self._sets) > self.max_sets:
+                self._sets.popitem(last=False)
+        else:
+            self._sets.move_to_end(key)
+        return found
+
+
+class _Plan(NamedTuple):
+    """Which rows a joined site updates. Library kernels: the rows (None: every row, in order)
+    and each one's slice mask, ``[rows, 1, width]`` (None: the site joins one adapter). Exact
+    kernels: each row's member of the site (-1: none)."""
+
+    rows: torch.Tensor | None
+    mask: torch.Tensor | None
+    group: torch.Tensor
+
+
+class LoraStep:
+    """A step's rows by adapter: each adapted projection adds every adapted row's update, all
+    adapters' at once (``JoinedSite``); rows of no adapter are the base model's, untouched."""
+
+    def __init__(
+        self, adapters: tuple[LoraModel, ...], row_adapter: list[int], device: torch.device, joins: JoinCache
+    ) -> None:
+        self.adapters = adapters
+        self.row_adapter = row_adapter  # each row's index in ``adapters``; -1: the base model's
+        self.device = device
+        self._joined = joins.joined(adapters)
+        # By a joined site's members and slices: sites of one layout share their rows and masks.
+        self._plans: dict[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], _Plan] = {}
+
+    @classmethod
+    def of_rows(
+        cls, adapters: list[LoraModel | None], device: torch.device, joins: JoinCache | None = None
+    ) -> LoraStep | None:
         """From each row's adapter (None: the base model's); None when no row has one."""
-        rows_of: dict[int, tuple[LoraModel, list[int]]] = {}
-        for row, adapter in enumerate(adapters):
+        distinct: dict[int, int] = {}
+        for adapter in adapters:
             if adapter is not None:
-                rows_of.setdefault(id(adapter), (adapter, []))[1].append(row)
-        if not rows_of:
+                distinct.setdefault(id(adapter), len(distinct))
+        if not distinct:
             return None
-        return cls(
-            [(adapter, torch.tensor(rows, dtype=torch.long, device=device)) for adapter, rows in rows_of.values()]
-        )
+        ordered = tuple(dict.fromkeys(adapter for adapter in adapters if adapter is not None))
+        row_adapter = [-1 if adapter is None else distinct[id(adapter)] for adapter in adapters]
+        return cls(ordered, row_adapter, device, joins or JoinCache(1))
+
+    def _site(self, layer: int, site: Site) -> JoinedSite | None:
+        key = (layer, site)
+        if key not in self._joined:
+            parts = [
+                (i, adapter.layers[layer][site])
+                for i, adapter in enumerate(self.adapters)
+                if site in adapter.layers[layer]
+            ]
+            self._joined[key] = JoinedSite.of(parts) if parts else None
+        return self._joined[key]
+
+    def _plan(self, joined: JoinedSite) -> _Plan:
+        layout = (joined.members, joined.slices)
+        plan = self._plans.get(layout)
+        if plan is None:
+            where = {member: slot for slot, member in enumerate(joined.members)}
+            group = [where.get(index, -1) for index in self.row_adapter]
+            rows = [row for row, slot in enumerate(group) if slot >= 0]
+            mask = None
+            if len(joined.members) > 1:
+                mask = torch.zeros(len(rows), 1, joined.width)
+                for i, row in enumerate(rows):
+                    start, width = joined.slices[group[row]]
+                    mask[i, 0, start : start + width] = 1.0
+                mask = mask.to(self.device)
+            every = len(rows) == len(self.row_adapter)
+            plan = _Plan(
+                None if every else torch.tensor(rows, device=self.device), mask, torch.tensor(group, device=self.device)
+            )
+            self._plans[layout] = plan
+        return plan
 
     def add(self, layer: int, site: Site, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base output of ``x``, rows first) with each adapted row's update added."""
-        for adapter, rows in self.groups:
-            update = adapter.layers[layer].get(site)
-            if update is None:
-                continue
-            delta = update.delta(x[rows])
-            y[rows] = (y[rows].float() + delta.float()).to(y.dtype)
-        return y
+        joined = self._site(layer, site)
+        if joined is None:
+            return y
+        return joined.added(x, y, self._plan(joined))

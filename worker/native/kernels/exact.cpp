@@ -721,6 +721,110 @@ at::Tensor qlinear(const at::Tensor& x_in, int64_t prologue, const c10::optional
   return out.view(out_shape);
 }
 
+// LoRA: each row's low-rank update added to its base output, y[r] + B_g (A_g prologue(x[r])) with
+// g = group[r] (-1: y[r] as it is). t = A_g x is computed as `qlinear` computes it with fp32
+// output, then quantized as `qlinear`'s input; B_g's epilogue adds y[r] and rounds once to y's
+// dtype. A row's values depend on that row alone, never on the rows or adapters beside it.
+at::Tensor lora_grouped(const at::Tensor& x_in, int64_t prologue, const c10::optional<at::Tensor>& norm_weight,
+                        double eps, const at::Tensor& group, at::TensorList a_weights, at::TensorList a_scales,
+                        at::TensorList b_weights, at::TensorList b_scales, const at::Tensor& ranks_t,
+                        const at::Tensor& y_in, bool scalar) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "lora_grouped: bf16 or fp32");
+  TORCH_CHECK(y_in.scalar_type() == x_in.scalar_type(), "lora_grouped: y in x's dtype");
+  auto kind = static_cast<Prologue>(prologue);
+  const int64_t width = x_in.size(-1), n_out = y_in.size(-1);
+  at::Tensor x = x_in.reshape({-1, width}).contiguous();
+  at::Tensor out = y_in.reshape({-1, n_out}).clone();
+  const int64_t num_rows = x.size(0);
+  TORCH_CHECK(out.size(0) == num_rows, "lora_grouped: one output row per input row");
+  const int64_t k_in = kind == kSiluMul ? width / 2 : width;
+  at::Tensor groups_of = group.to(at::kLong).contiguous(), ranks = ranks_t.to(at::kLong).contiguous();
+  TORCH_CHECK(groups_of.numel() == num_rows, "lora_grouped: one group per row");
+  const int64_t num_weights = static_cast<int64_t>(a_weights.size());
+  TORCH_CHECK(static_cast<int64_t>(a_scales.size()) == num_weights && static_cast<int64_t>(b_weights.size()) == num_weights &&
+              static_cast<int64_t>(b_scales.size()) == num_weights && ranks.numel() == num_weights,
+              "lora_grouped: A, B and a rank per adapter");
+  const int64_t* gp = groups_of.data_ptr<int64_t>();
+  const int64_t* rp = ranks.data_ptr<int64_t>();
+  std::vector<at::Tensor> keep;
+  std::vector<PackedWeight> as(num_weights), bs(num_weights);
+  int64_t max_groups = (k_in + kGroup - 1) / kGroup, max_rank = 1;
+  auto packed = [&](const at::Tensor& weight, const at::Tensor& scale, int64_t in, int64_t outs) {
+    at::Tensor wc = weight.contiguous(), sc = scale.contiguous();
+    keep.push_back(wc);
+    keep.push_back(sc);
+    const int64_t groups = (in + kGroup - 1) / kGroup, blocks = (outs + kLanes - 1) / kLanes;
+    TORCH_CHECK(wc.numel() == blocks * groups * kGroup * kLanes, "lora_grouped: 8-bit packed weight size");
+    TORCH_CHECK(sc.scalar_type() == at::kHalf || sc.scalar_type() == at::kFloat, "lora_grouped: scales' dtype");
+    return PackedWeight{wc.data_ptr<uint8_t>(), sc.data_ptr(), nullptr, sc.scalar_type() == at::kHalf, 128, 8, groups};
+  };
+  for (int64_t g = 0; g < num_weights; ++g) {
+    as[g] = packed(a_weights[g], a_scales[g], k_in, rp[g]);
+    bs[g] = packed(b_weights[g], b_scales[g], rp[g], n_out);
+    max_groups = std::max(max_groups, bs[g].groups);
+    max_rank = std::max(max_rank, rp[g]);
+  }
+  for (int64_t r = 0; r < num_rows; ++r) TORCH_CHECK(gp[r] < num_weights, "lora_grouped: group out of range");
+  at::Tensor norm_w;
+  const void* norm_ptr = nullptr;
+  bool norm_bf16 = false;
+  if (kind == kRmsNorm) {
+    TORCH_CHECK(norm_weight.has_value(), "lora_grouped: rms_norm needs its weight");
+    norm_w = norm_weight->contiguous();
+    norm_ptr = norm_w.data_ptr();
+    norm_bf16 = norm_w.scalar_type() == at::kBFloat16;
+  }
+  const bool vec = use_avx512(scalar);
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const int64_t elem = x.element_size();
+  char* out_base = static_cast<char*>(out.data_ptr());
+  auto run = [&](const PackedWeight& w, RowQuant* row, int64_t outs, Epilogue epi, void* dst, bool dst_bf16) {
+    for (int64_t block = 0; block < (outs + kLanes - 1) / kLanes; ++block) {
+#ifdef RELAYLM_X86
+      if (vec) {
+        matmul_block_avx512(w, block, row, 1, outs, epi, dst, outs, dst_bf16);
+        continue;
+      }
+      if (use_avx2()) {
+        matmul_block_avx2<8>(w, block, row, 1, outs, epi, dst, outs, dst_bf16);
+        continue;
+      }
+#endif
+      matmul_block_scalar(w, block, row, 1, outs, epi, dst, outs, dst_bf16);
+    }
+  };
+  auto quantize = [&](const void* src, bool src_bf16, int64_t n, Prologue p, int64_t groups, float* act, RowQuant row) {
+#ifdef RELAYLM_X86
+    if (vec) {
+      prologue_avx512(src, src_bf16, n, p, norm_ptr, norm_bf16, static_cast<float>(eps), act);
+      quantize_avx512(act, n, groups, row);
+      return;
+    }
+#endif
+    prologue_scalar(src, src_bf16, n, p, norm_ptr, norm_bf16, static_cast<float>(eps), act);
+    quantize_scalar(act, n, groups, row);
+  };
+  // Each row by one thread: these matmuls are small.
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> act(max_groups * kGroup), low(max_rank);
+    std::vector<int8_t> q(max_groups * kGroup);
+    std::vector<float> d(max_groups);
+    std::vector<int32_t> sums(max_groups);
+    RowQuant row{q.data(), d.data(), sums.data()};
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t g = gp[r];
+      if (g < 0) continue;
+      quantize(xp + r * width * elem, is_bf16, k_in, kind, as[g].groups, act.data(), row);
+      run(as[g], &row, rp[g], Epilogue{nullptr, nullptr}, low.data(), false);
+      quantize(low.data(), false, rp[g], kNone, bs[g].groups, act.data(), row);
+      void* out_row = out_base + r * n_out * elem;
+      run(bs[g], &row, n_out, Epilogue{nullptr, out_row}, out_row, is_bf16);  // out holds y: the residual
+    }
+  });
+  return out.view(y_in.sizes());
+}
+
 // ---------------------------------------------------------------- attention
 //
 // q [rows, heads, queries, dim], k/v [rows, kv_heads, keys, dim] (any strides, dim contiguous),
@@ -1111,6 +1215,9 @@ TORCH_LIBRARY(relaylm_exact, m) {
   m.def(
       "qlinear(Tensor x, int prologue, Tensor? norm_weight, float eps, Tensor weight, Tensor scales, Tensor? mins, "
       "int zero, int bits, int n_out, int k_in, Tensor? bias, Tensor? residual, bool out_float32, bool scalar) -> Tensor");
+  m.def(
+      "lora_grouped(Tensor x, int prologue, Tensor? norm_weight, float eps, Tensor group, Tensor[] a_weights, "
+      "Tensor[] a_scales, Tensor[] b_weights, Tensor[] b_scales, Tensor ranks, Tensor y, bool scalar) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale, bool scalar) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool scalar) -> Tensor");
   m.def("exp_shifted(Tensor x, bool scalar) -> Tensor");
@@ -1120,6 +1227,7 @@ TORCH_LIBRARY(relaylm_exact, m) {
 
 TORCH_LIBRARY_IMPL(relaylm_exact, CPU, m) {
   m.impl("qlinear", &relaylm_exact::qlinear);
+  m.impl("lora_grouped", &relaylm_exact::lora_grouped);
   m.impl("attention", &relaylm_exact::attention);
   m.impl("rms_norm", &relaylm_exact::rms_norm);
   m.impl("exp_shifted", &relaylm_exact::exp_shifted);
