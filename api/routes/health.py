@@ -30,7 +30,8 @@ async def ready(request: Request, model: str | None = None) -> JSONResponse:
         models = [model] if model else [record.model for record in records]
         ready_models = {}
         for name in models:
-            workers = await directory.workers(name)
+            adapter = await directory.adapters.record(name) if model else None  # an adapter is as ready as its base
+            workers = await directory.workers(name if adapter is None else adapter.base)
             ready_models[name] = sum(worker.state == "ready" for worker in workers)
     except RedisError as exc:
         return JSONResponse({"status": "unavailable", "redis": f"unreachable: {exc}"}, status_code=503)

@@ -92,7 +92,9 @@ async def tokenize(body: TokenizeBody, request: Request) -> TokenizeResponse:
     token_ids, _ = await run_tokenize(request, tokenize_request, images)
     directory = services_of(request).directory
     limits = {record.model: record.max_model_len for record in await directory.model_records()}
-    return TokenizeResponse(count=len(token_ids), max_model_len=limits.get(body.model, 0), tokens=token_ids)
+    adapter = await directory.adapter_of(body.model)  # an adapter's context is its base model's
+    model = body.model if adapter is None else adapter.base
+    return TokenizeResponse(count=len(token_ids), max_model_len=limits.get(model, 0), tokens=token_ids)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES, summary="Detokenize (vLLM)")

@@ -138,6 +138,15 @@ def test_a_worker_started_without_an_adapter_fetches_it_from_redis(lora_stack: S
     assert _content(answer) == expected
 
 
+def test_an_adapter_is_ready_and_tokenizes_as_its_base_model(lora_stack: Stack) -> None:
+    url = lora_stack.base_url
+    assert httpx.get(f"{url}/ready", params={"model": "tone"}, timeout=10).status_code == 200
+    body = {"prompt": "Hello there"}
+    tone = httpx.post(f"{url}/tokenize", json={**body, "model": "tone"}, timeout=30).json()
+    base = httpx.post(f"{url}/tokenize", json={**body, "model": BASE}, timeout=30).json()
+    assert tone == base and tone["max_model_len"] == 512
+
+
 def test_an_unknown_adapter_is_a_404_and_an_adapter_makes_no_embeddings(lora_stack: Stack) -> None:
     body = {"model": "no-such-adapter", "messages": PROMPT}
     response = httpx.post(f"{lora_stack.base_url}/v1/chat/completions", json=body, timeout=30)
