@@ -81,8 +81,3 @@ class AdapterCache:
 
     def make_from_files(self, record: AdapterRecord, config: bytes, weights: bytes) -> LoraModel:
         return self.make(record.name, record.sha256, read_peft(config, weights))
-
-    @property
-    def names(self) -> list[str]:
-        with self._lock:
-            return [name for name, _ in self._ready]

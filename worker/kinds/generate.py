@@ -123,7 +123,8 @@ class GenerationHandler:
             raise RelayError(
                 ErrorKind.INVALID_REQUEST, f"The adapter `{name}` cannot be served: {exc}", "model"
             ) from exc
-        logger.info("LoRA adapter %s fetched from Redis and ready (%s)", name, record.sha256[:12])
+        logger.info("LoRA adapter %s fetched from Redis and ready (%s; %.1f MiB)", name, record.sha256[:12],
+                    ready.nbytes / 2**20)  # fmt: skip
         return ready
 
     def tokenize(self, job: TokenizeJob, images: ImageBytes) -> Answer:
@@ -224,10 +225,10 @@ class GenerateKind:
                 if not NAME.match(name):
                     raise ValueError(f"--lora: {name!r} is not a usable name (letters, digits, . _ : / -)")
                 local = read_local(name, folder)
-                self._adapters.make(name, local.sha256, local.adapter)
+                ready = self._adapters.make(name, local.sha256, local.adapter)
                 self._local_adapters.append(local)
-                logger.info("LoRA adapter %s ready (rank %d, %s)", name, local.adapter.rank,
-                            ", ".join(sorted(local.adapter.targets)))  # fmt: skip
+                logger.info("LoRA adapter %s ready (rank %d, %s; %.1f MiB)", name, local.adapter.rank,
+                            ", ".join(sorted(local.adapter.targets)), ready.nbytes / 2**20)  # fmt: skip
         except (ValueError, OSError) as exc:  # AdapterError is a ValueError
             raise ModelLoadError(f"--lora: {exc}") from exc
 
