@@ -141,34 +141,50 @@ def test_a_rows_matmul_bits_do_not_depend_on_the_rows_beside_it(out_features: in
     prologue=st.sampled_from([exact.PROLOGUE_NONE, exact.PROLOGUE_RMS_NORM, exact.PROLOGUE_SILU_MUL]),
     groups=st.lists(st.integers(-1, 2), min_size=1, max_size=9),
     bf16=st.booleans(),
+    base_bits=st.sampled_from([4, 8]),
+    residual=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_lora_updates_give_each_row_its_own_adapters_bits_alone(
-    prologue: int, groups: list[int], bf16: bool, seed: int
+    prologue: int, groups: list[int], bf16: bool, base_bits: int, residual: bool, seed: int
 ) -> None:
-    """Each row through its own adapter's factors, as ``matmul`` computes that row alone (``A``
-    to fp32, then ``B`` with the row's base output as the residual); rows of no adapter keep
-    theirs; vector and portable code agree."""
+    """Each row through its own adapter's factors inside the base matmul's call, as ``matmul``
+    computes that row alone (the base output; ``A`` to fp32; then ``B`` with the row's base output
+    as the residual); rows of no adapter keep the base output's bits; one thread or two, vector or
+    portable code: the same bits."""
     generator = torch.Generator().manual_seed(seed)
-    in_features, out_features = 70, 40
-    widths = [32, 64, 32]
-    a = [exact.pack_int8(torch.randn(w, in_features, generator=generator) * 0.1) for w in widths]
-    b = [exact.pack_int8(torch.randn(out_features, w, generator=generator) * 0.1) for w in widths]
+    in_features, out_features = 70, 1100  # B's 69 output blocks: split between two threads for one row
+    ranks, widths = [16, 48, 32], [32, 64, 32]  # B's columns past the rank are zeros
+    a = [exact.pack_int8(torch.randn(r, in_features, generator=generator) * 0.1) for r in ranks]
+    b = [
+        exact.pack_int8(F.pad(torch.randn(out_features, r, generator=generator) * 0.1, (0, w - r)))
+        for r, w in zip(ranks, widths, strict=True)
+    ]
+    base = _weight(out_features, in_features, base_bits, seed, half=base_bits == 4)
     span = 2 if prologue == exact.PROLOGUE_SILU_MUL else 1
     dtype = torch.bfloat16 if bf16 else torch.float32
     x = (torch.randn(len(groups), in_features * span, generator=generator) * 2).to(dtype)
-    y = torch.randn(len(groups), out_features, generator=generator).to(dtype)
     norm = (torch.rand(in_features, generator=generator) + 0.5).to(dtype)
-    norm_weight = norm if prologue == exact.PROLOGUE_RMS_NORM else None
-    weights = exact.LoraWeights.of(a, b)
-    options = {"prologue": prologue, "norm_weight": norm_weight, "eps": 1e-5}
-    out = exact.lora_grouped(x, torch.tensor(groups), weights, y, **options)  # type: ignore[arg-type]
-    assert torch.equal(out, exact.lora_grouped(x, torch.tensor(groups), weights, y, scalar=True, **options))  # type: ignore[arg-type]
+    options = {
+        "prologue": prologue,
+        "norm_weight": norm if prologue == exact.PROLOGUE_RMS_NORM else None,
+        "eps": 1e-5,
+        "residual": torch.randn(len(groups), out_features, generator=generator).to(dtype) if residual else None,
+    }
+    lora = exact.LoraRows(exact.lora_factors(a, b), torch.tensor(groups))
+    y = exact.matmul(x, base, **options)  # type: ignore[arg-type]
+    out = exact.matmul(x, base, lora=lora, **options)  # type: ignore[arg-type]
+    for count in (1, 2):
+        with threads(count):
+            assert torch.equal(exact.matmul(x, base, lora=lora, **options), out)  # type: ignore[arg-type]
+    assert torch.equal(exact.matmul(x, base, lora=lora, scalar=True, **options), out)  # type: ignore[arg-type]
+    plain = {key: value for key, value in options.items() if key != "residual"}
     for row, g in enumerate(groups):
         if g < 0:
             assert torch.equal(out[row], y[row])
             continue
-        low = exact.matmul(x[row : row + 1], a[g], out_float32=True, **options)  # type: ignore[arg-type]
+        low = exact.matmul(x[row : row + 1], a[g], out_float32=True, **plain)  # type: ignore[arg-type]
+        low = F.pad(low, (0, widths[g] - ranks[g]))
         alone = exact.matmul(low, b[g], residual=y[row : row + 1].float(), out_float32=True).to(dtype)
         assert torch.equal(out[row : row + 1], alone), (row, g)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from shared.adapter_files import check_fits
 from worker.native.decoder import NativeCausalLM
-from worker.native.lora import LayerNorms, LoraModel, model_shapes, prepare
+from worker.native.lora import LoraModel, model_shapes, prepare
 from worker.native.peft_format import PeftAdapter
 
 
@@ -15,13 +15,4 @@ def for_model(
     """``AdapterError`` where ``adapter`` does not fit ``model``; ``exact``: the execution plan's
     numerics are the exact kernels' (the updates then run on them too)."""
     check_fits(adapter.updates, model_shapes(model.config, max_rank))
-    norms = None
-    if exact:
-        norms = [
-            LayerNorms(
-                (layer.input_layernorm.weight, layer.input_layernorm.eps),
-                (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
-            )
-            for layer in model.model.decoder_layers()
-        ]
-    return prepare(name, digest, adapter, model.config, model.dtype, norms)
+    return prepare(name, digest, adapter, model.config, model.dtype, exact)

@@ -133,11 +133,11 @@ class ExactMlp(NamedTuple):
 
     def __call__(self, hidden: torch.Tensor, lora: LoraStep | None = None, layer: int = 0) -> torch.Tensor:
         """``hidden`` (not yet normalised) plus the MLP's output."""
-        gate_up = self.gate_up(hidden)
         if lora is None:
-            return self.down(gate_up, residual=hidden)
-        gate_up = lora.add(layer, "gate_up", hidden, gate_up)
-        return lora.add(layer, "down", gate_up, self.down(gate_up, residual=hidden))
+            return self.down(self.gate_up(hidden), residual=hidden)
+        query_len = hidden.shape[1]
+        gate_up = self.gate_up(hidden, lora=lora.rows(layer, "gate_up", query_len))
+        return self.down(gate_up, residual=hidden, lora=lora.rows(layer, "down", query_len))
 
 
 class ExactParts(NamedTuple):
@@ -230,9 +230,7 @@ class Attention(nn.Module):
         positions ``0..positions[row, t]`` of its row's slot."""
         assert not cache.shared_groups, "the deterministic forward reads prefixes copied into each slot"
         rows, query_len, _ = hidden.shape
-        qkv = parts.qkv(hidden)
-        if lora is not None:
-            qkv = lora.add(self.layer_idx, "qkv", hidden, qkv)
+        qkv = parts.qkv(hidden, lora=None if lora is None else lora.rows(self.layer_idx, "qkv", query_len))
         qkv = qkv.view(rows, query_len, -1, self.head_dim)
         query_and_key = qkv[:, :, : self.num_heads + self.num_kv_heads]
         if self.q_norm is not None and self.k_norm is not None:
@@ -245,8 +243,7 @@ class Attention(nn.Module):
         value = qkv[:, :, self.num_heads + self.num_kv_heads :].transpose(1, 2)
         key, value = cache.update(key, value, self.layer_idx)
         out = exact.attention(query, key, value, positions, self.scale).view(rows, query_len, -1)
-        projected = parts.o(out, residual=hidden)
-        return projected if lora is None else lora.add(self.layer_idx, "o", out, projected)
+        return parts.o(out, residual=hidden, lora=None if lora is None else lora.rows(self.layer_idx, "o", query_len))
 
     def _attend_with_prefixes(
         self,

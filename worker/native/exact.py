@@ -26,6 +26,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -58,12 +59,12 @@ def load() -> bool:
             from torch.utils import cpp_extension
 
             digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
-            cpp_extension.load(
+            _state["module"] = cpp_extension.load(
                 name=f"relaylm_exact_{digest}",
                 sources=[str(SOURCE)],
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
-                is_python_module=False,
+                is_python_module=True,
                 verbose=False,
             )
             _state["ok"] = True
@@ -77,10 +78,14 @@ def available() -> bool:
     return load()
 
 
-def _ops() -> torch._ops._OpNamespace:
-    if not load():
-        raise RuntimeError("relaylm's exact kernels could not be built (see the log)")
-    return torch.ops.relaylm_exact
+def _ops() -> Any:
+    """The extension's Python module."""
+    module = _state.get("module")
+    if module is None:
+        if not load():
+            raise RuntimeError("relaylm's exact kernels could not be built (see the log)")
+        module = _state["module"]
+    return module
 
 
 def has_vector_path() -> bool:
@@ -179,51 +184,45 @@ def matmul(
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
     out_float32: bool = False,
+    lora: LoraRows | None = None,
     scalar: bool = False,
 ) -> torch.Tensor:
     """``residual + (prologue(x) @ W^T + bias)``, rounded once: ``x`` ``[..., in]`` (``[..., 2 *
     in]`` for ``silu_mul``: gate then up), bf16 or fp32; the result (and ``residual``) in ``x``'s
-    dtype, or fp32."""
-    return _ops().qlinear(
+    dtype, or fp32. ``lora``: each row's LoRA update added after, ``out[r] + B_g (A_g
+    prologue(x[r]))`` with ``g = lora.group[r]`` (-1: none), ``A_g x`` computed as this matmul
+    with an fp32 output from the same quantized activations, the sum with ``out[r]`` rounded once;
+    a row's values depend on that row alone."""
+    if lora is None:
+        return _ops().qlinear(
+            x, prologue, norm_weight, eps, weight.data, weight.scales, weight.mins, weight.zero, weight.bits,
+            weight.out_features, weight.in_features, bias, residual, out_float32, scalar,
+        )  # fmt: skip
+    return _ops().qlinear_lora(
         x, prologue, norm_weight, eps, weight.data, weight.scales, weight.mins, weight.zero, weight.bits,
-        weight.out_features, weight.in_features, bias, residual, out_float32, scalar,
+        weight.out_features, weight.in_features, bias, residual, out_float32, lora.factors, lora.group, scalar,
     )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class LoraWeights:
-    """Several LoRA adapters' factors at one projection, for ``lora_grouped``: ``a[g]`` ``[width,
-    in]`` and ``b[g]`` ``[out, width]``, 8-bit, each adapter's ``width`` a multiple of 32."""
-
-    a: tuple[PackedWeight, ...]
-    b: tuple[PackedWeight, ...]
-    widths: torch.Tensor
-
-    @classmethod
-    def of(cls, a: list[PackedWeight], b: list[PackedWeight]) -> LoraWeights:
-        assert all(w.bits == 8 and w.zero == 128 and w.mins is None for w in [*a, *b])
-        return cls(tuple(a), tuple(b), torch.tensor([w.out_features for w in a]))
-
-
-def lora_grouped(
-    x: torch.Tensor,
-    group: torch.Tensor,
-    weights: LoraWeights,
-    y: torch.Tensor,
-    *,
-    prologue: int = PROLOGUE_NONE,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    scalar: bool = False,
-) -> torch.Tensor:
-    """``y`` with each row's update added: ``y[r] + B_g (A_g prologue(x[r]))``, ``g = group[r]``
-    (-1: ``y[r]`` as it is). ``A_g x`` is ``matmul``'s with an fp32 output, then quantized as
-    ``matmul``'s input; the sum with ``y`` is rounded once to ``y``'s dtype (``x``'s). A row's
-    values depend on that row alone."""
-    return _ops().lora_grouped(
-        x, prologue, norm_weight, eps, group, [w.data for w in weights.a], [w.scales for w in weights.a],
-        [w.data for w in weights.b], [w.scales for w in weights.b], weights.widths, y, scalar,
+def lora_factors(a: list[PackedWeight], b: list[PackedWeight]) -> Any:
+    """Several LoRA adapters' factors at one projection, for ``matmul``'s ``lora``: ``a[g]``
+    ``[rank, in]`` and ``b[g]`` ``[out, width]``, 8-bit, ``width`` the rank rounded up to a
+    multiple of 32 (zero columns past the rank); checked and gathered once into the kernel's own
+    object, which holds the tensors."""
+    assert all(w.bits == 8 and w.zero == 128 and w.mins is None for w in [*a, *b])
+    assert all(wb.in_features == -(-wa.out_features // GROUP) * GROUP for wa, wb in zip(a, b, strict=True))
+    return _ops().LoraFactors(
+        [w.data for w in a], [w.scales for w in a], [w.data for w in b], [w.scales for w in b],
+        [w.out_features for w in a], a[0].in_features, b[0].out_features,
     )  # fmt: skip
+
+
+class LoraRows(NamedTuple):
+    """Each row's adapter at one projection: ``group[r]`` indexes the adapters of ``factors``
+    (``lora_factors``; int64, -1: none)."""
+
+    factors: Any
+    group: torch.Tensor
 
 
 def attention(
@@ -270,10 +269,12 @@ class ExactLinear(nn.Module):
         self.eps = eps
         self.out_float32 = out_float32
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: LoraRows | None = None
+    ) -> torch.Tensor:
         return matmul(
             x, self.packed, self.bias, prologue=self.prologue, norm_weight=self.norm_weight, eps=self.eps,
-            residual=residual, out_float32=self.out_float32,
+            residual=residual, out_float32=self.out_float32, lora=lora,
         )  # fmt: skip
 
 

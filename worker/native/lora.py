@@ -7,11 +7,12 @@ The decoder joins q/k/v and gate/up into one matmul each (``decoder.JoinedLinear
 updates are joined the same way: the parts' ``A`` stacked (one matmul of the shared input) and
 their ``B`` block-diagonal (absent targets are empty blocks), the scaling folded into ``B``.
 
-Under the exact numerics (``--deterministic on``) the two small matmuls run on the exact kernels,
-``A`` with the same fused prologue as the base matmul it sits beside (the RMSNorm before q/k/v
-and gate/up, the SwiGLU product before down), so a row's update, like the rest of its step, is a
-function of that row alone; it is added to the row's base output elementwise. Rows without an
-adapter are not touched: the base model's bits are the same beside adapters as without them.
+Under the exact numerics (``--deterministic on``) the two small matmuls run inside the base
+matmul's own call (``exact.matmul``'s ``lora``): ``A`` reads the activations the base matmul
+quantized after its fused prologue (the RMSNorm before q/k/v and gate/up, the SwiGLU product
+before down), so a row's update, like the rest of its step, is a function of that row alone; it
+is added to the row's base output elementwise. Rows without an adapter are not touched: the base
+model's bits are the same beside adapters as without them.
 """
 
 from __future__ import annotations
@@ -60,14 +61,11 @@ columns alone, so an adapter's part of a joined update is computed as it is alon
 class Part:
     """One adapter's update at one site of one layer, padded to ``width`` (a multiple of ``WIDTH``):
     ``A`` ``[width, in]`` and ``B`` ``[out, width]`` (scaling folded in), as floats in the model's
-    dtype for the library kernels, or packed for the exact ones (then with the prologue of the
-    base matmul beside it)."""
+    dtype for the library kernels; or packed for the exact ones, ``A`` then ``[rank, in]``."""
 
     width: int
     a: torch.Tensor | exact.PackedWeight
     b: torch.Tensor | exact.PackedWeight
-    prologue: int = exact.PROLOGUE_NONE
-    norm: tuple[torch.Tensor, float] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -104,20 +102,11 @@ class LoraModel:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class LayerNorms:
-    """The norms an exact update's prologue fuses, per layer (the base matmuls' own)."""
-
-    attention: tuple[torch.Tensor, float]
-    mlp: tuple[torch.Tensor, float]
-
-
 def prepare(
-    name: str, digest: str, adapter: PeftAdapter, spec: DecoderSpec, dtype: torch.dtype,
-    norms: list[LayerNorms] | None,
+    name: str, digest: str, adapter: PeftAdapter, spec: DecoderSpec, dtype: torch.dtype, on_exact: bool
 ) -> LoraModel:  # fmt: skip
-    """``adapter`` (whose files' SHA-256 is ``digest``) as ``LoraModel`` for a model of ``spec``;
-    ``norms`` given: on the exact kernels."""
+    """``adapter`` (whose files' SHA-256 is ``digest``) as ``LoraModel`` for a model of ``spec``
+    whose matmuls run on the exact kernels (``on_exact``) or the library's in ``dtype``."""
     shapes = model_shapes(spec, 0).shapes
     layers: list[dict[Site, Part]] = []
     for index in range(spec.num_hidden_layers):
@@ -126,16 +115,12 @@ def prepare(
             pairs = {part: adapter.pairs[(index, part)] for part in parts if (index, part) in adapter.pairs}
             if not pairs:
                 continue
-            a, b, width = _padded(*_joined(pairs, parts, [shapes[part][1] for part in parts]))
-            if norms is None:
-                sites[site] = Part(width, a.to(dtype).contiguous(), b.to(dtype).contiguous())
-                continue
-            prologue, norm = exact.PROLOGUE_NONE, None
-            if site in ("qkv", "gate_up"):
-                norm, prologue = norms[index].attention if site == "qkv" else norms[index].mlp, exact.PROLOGUE_RMS_NORM
-            elif site == "down":
-                prologue = exact.PROLOGUE_SILU_MUL
-            sites[site] = Part(width, exact.pack_int8(a), exact.pack_int8(b), prologue, norm)
+            a, b = _joined(pairs, parts, [shapes[part][1] for part in parts])
+            padded_a, padded_b, width = _padded(a, b)
+            if on_exact:  # A's rows as they are: the kernel reads zeros for t past the rank
+                sites[site] = Part(width, exact.pack_int8(a), exact.pack_int8(padded_b))
+            else:
+                sites[site] = Part(width, padded_a.to(dtype).contiguous(), padded_b.to(dtype).contiguous())
         layers.append(sites)
     nbytes = sum(part.nbytes for sites in layers for part in sites.values())
     return LoraModel(name, int(digest[:15], 16), tuple(layers), nbytes)
@@ -147,15 +132,13 @@ class JoinedSite:
     of ``A x`` side by side (``slices``). On the library kernels: their ``A`` one after another
     (``[sum of widths, in]``) and their ``B`` side by side (``[out, sum of widths]``), a row
     keeping only its own slice before ``B``. On the exact kernels: each row through its own
-    adapter's ``A`` and ``B`` alone (``exact.lora_grouped``), as it would be computed alone."""
+    adapter's ``A`` and ``B`` alone (``exact.matmul``'s ``lora``), as it would be computed alone."""
 
     members: tuple[int, ...]  # indices into the step's adapters, in slice order
     slices: tuple[tuple[int, int], ...]  # (start, width) of each member's slice
     width: int
-    a: exact.LoraWeights | torch.Tensor
+    a: torch.Tensor | object  # the library's ``A``, or the exact kernels' ``exact.lora_factors``
     b: torch.Tensor | None  # the library's; the exact kernels' factors are all in ``a``
-    prologue: int = exact.PROLOGUE_NONE
-    norm: tuple[torch.Tensor, float] | None = None
 
     @classmethod
     def of(cls, parts: list[tuple[int, Part]]) -> JoinedSite:
@@ -164,30 +147,24 @@ class JoinedSite:
         for _, part in parts:
             starts.append(starts[-1] + part.width)
         slices = tuple((start, part.width) for start, (_, part) in zip(starts, parts, strict=False))
-        width, first = starts[-1], parts[0][1]
-        if isinstance(first.a, torch.Tensor):
+        width = starts[-1]
+        if isinstance(parts[0][1].a, torch.Tensor):
             a = torch.cat([part.a for _, part in parts])  # type: ignore[misc]
             b = torch.cat([part.b for _, part in parts], dim=1)  # type: ignore[misc]
             return cls(members, slices, width, a, b)
-        factors = exact.LoraWeights.of([part.a for _, part in parts], [part.b for _, part in parts])  # type: ignore[misc]
-        return cls(members, slices, width, factors, None, first.prologue, first.norm)
+        factors = exact.lora_factors([part.a for _, part in parts], [part.b for _, part in parts])  # type: ignore[misc]
+        return cls(members, slices, width, factors, None)
 
     def added(self, x: torch.Tensor, y: torch.Tensor, plan: _Plan) -> torch.Tensor:
-        """``y`` plus each row's update of ``x``, in ``y``'s dtype. On the exact kernels the sum is
-        the kernel's epilogue, ``y + B t`` in fp32, rounded once."""
-        if isinstance(self.a, torch.Tensor):
-            assert self.b is not None
-            xs, ys = (x, y) if plan.rows is None else (x[plan.rows], y[plan.rows])
-            low = F.linear(xs, self.a)
-            added = ys + F.linear(low if plan.mask is None else low * plan.mask.to(low.dtype), self.b)
-            if plan.rows is None:
-                return added
-            y[plan.rows] = added
-            return y
-        assert isinstance(self.a, exact.LoraWeights)
-        group = plan.group if x.dim() < 3 or x.shape[1] == 1 else plan.group.repeat_interleave(x.shape[1])
-        norm_weight, eps = self.norm if self.norm is not None else (None, 0.0)
-        return exact.lora_grouped(x, group, self.a, y, prologue=self.prologue, norm_weight=norm_weight, eps=eps)
+        """``y`` plus each row's update of ``x``, in ``y``'s dtype (the library kernels)."""
+        assert isinstance(self.a, torch.Tensor) and self.b is not None
+        xs, ys = (x, y) if plan.rows is None else (x[plan.rows], y[plan.rows])
+        low = F.linear(xs, self.a)
+        added = ys + F.linear(low if plan.mask is None else low * plan.mask.to(low.dtype), self.b)
+        if plan.rows is None:
+            return added
+        y[plan.rows] = added
+        return y
 
 
 class JoinCache:
@@ -282,8 +259,19 @@ class LoraStep:
         return plan
 
     def add(self, layer: int, site: Site, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the base output of ``x``, rows first) with each adapted row's update added."""
+        """``y`` (the base output of ``x``, rows first) with each adapted row's update added, on
+        the library kernels."""
         joined = self._site(layer, site)
         if joined is None:
             return y
         return joined.added(x, y, self._plan(joined))
+
+    def rows(self, layer: int, site: Site, query_len: int) -> exact.LoraRows | None:
+        """The exact kernels' updates at ``site`` for the base matmul's call (``exact.matmul``'s
+        ``lora``): each of ``query_len`` tokens of a row in its row's group; None: none here."""
+        joined = self._site(layer, site)
+        if joined is None:
+            return None
+        assert not isinstance(joined.a, torch.Tensor)
+        group = self._plan(joined).group
+        return exact.LoraRows(joined.a, group if query_len == 1 else group.repeat_interleave(query_len))
