@@ -150,6 +150,13 @@ def _narrowest(scales: torch.Tensor, mins: torch.Tensor | None) -> tuple[torch.T
     return scales, mins
 
 
+def _half_up(scales: torch.Tensor) -> torch.Tensor:
+    """Each scale rounded up to a float16, so no value of its group passes 127 steps."""
+    halves = scales.half()
+    up = torch.nextafter(halves, torch.full_like(halves, float("inf")))
+    return torch.where(halves.float() < scales, up, halves)
+
+
 def pack_int8(weight: torch.Tensor) -> PackedWeight:
     """Symmetric 8-bit groups of 32 as llama.cpp's Q8_0: ``scale = max|w| / 127`` rounded up to a
     float16 (so a Q8_0 weight, whose scales are float16, packs back exactly)."""
@@ -159,10 +166,7 @@ def pack_int8(weight: torch.Tensor) -> PackedWeight:
     if groups * GROUP > in_features:
         full = torch.cat([full, full.new_zeros(out_features, groups * GROUP - in_features)], dim=1)
     grouped = full.view(out_features, groups, GROUP)
-    exact_scales = grouped.abs().amax(dim=-1) / 127.0
-    halves = exact_scales.half()
-    up = torch.nextafter(halves, torch.full_like(halves, float("inf")))
-    scales = torch.where(halves.float() < exact_scales, up, halves).float()
+    scales = _half_up(grouped.abs().amax(dim=-1) / 127.0).float()
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(grouped / safe[..., None]).clamp(-127, 127)
     values = (q + 128).to(torch.uint8).view(out_features, groups * GROUP)[:, :in_features]
@@ -204,16 +208,65 @@ def matmul(
     )  # fmt: skip
 
 
-def lora_factors(a: list[PackedWeight], b: list[PackedWeight]) -> Any:
+class LoraB(NamedTuple):
+    """A LoRA update's ``B`` (``[out_features, rank]``) by parts, for ``lora_factors``: part
+    ``(n0, outs, k0, rank)`` gives outputs ``n0..n0+outs`` from ``t[k0..k0+rank]`` (a joined
+    projection's update is block-diagonal); each part's values are 8-bit columns by 16-output
+    block, ``[blocks, rank, 16]`` in ``data``, with a float16 scale per block and column,
+    ``[blocks, rank]`` in ``scales``."""
+
+    data: torch.Tensor  # int8, the parts one after another
+    scales: torch.Tensor  # float16
+    parts: tuple[tuple[int, int, int, int], ...]
+    out_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + 2 * self.scales.numel()
+
+
+def pack_lora_b(parts: list[tuple[int, int, torch.Tensor]], out_features: int) -> LoraB:
+    """``(n0, k0, b)`` per part, ``b`` ``[outs, rank]``: symmetric 8-bit columns per block of 16
+    outputs, ``scale = max|b| / 127`` rounded up to a float16."""
+    data, scales, table = [], [], []
+    for n0, k0, b in parts:
+        outs, rank = b.shape
+        blocks = -(-outs // LANES)
+        full = torch.cat([b.detach().float(), b.new_zeros(blocks * LANES - outs, rank, dtype=torch.float32)])
+        full = full.view(blocks, LANES, rank)
+        half = _half_up(full.abs().amax(dim=1) / 127.0)  # [blocks, rank]
+        safe = torch.where(half.float() > 0, half.float(), torch.ones_like(half, dtype=torch.float32))
+        values = torch.round(full / safe[:, None, :]).clamp(-127, 127).to(torch.int8)
+        data.append(values.permute(0, 2, 1).reshape(-1))
+        scales.append(half.reshape(-1))
+        table.append((n0, outs, k0, rank))
+    return LoraB(torch.cat(data).contiguous(), torch.cat(scales).contiguous(), tuple(table), out_features)
+
+
+def unpack_lora_b(b: LoraB, rank: int) -> torch.Tensor:
+    """``pack_lora_b``'s inverse, as float32 ``[out_features, rank]`` (zeros outside the parts)."""
+    full = torch.zeros(b.out_features, rank)
+    data_at = scales_at = 0
+    for n0, outs, k0, part_rank in b.parts:
+        blocks = -(-outs // LANES)
+        values = b.data[data_at : data_at + blocks * part_rank * LANES].view(blocks, part_rank, LANES).float()
+        scales = b.scales[scales_at : scales_at + blocks * part_rank].view(blocks, part_rank, 1).float()
+        dense = (values * scales).permute(0, 2, 1).reshape(blocks * LANES, part_rank)[:outs]
+        full[n0 : n0 + outs, k0 : k0 + part_rank] = dense
+        data_at += blocks * part_rank * LANES
+        scales_at += blocks * part_rank
+    return full
+
+
+def lora_factors(a: list[PackedWeight], b: list[LoraB]) -> Any:
     """Several LoRA adapters' factors at one projection, for ``matmul``'s ``lora``: ``a[g]``
-    ``[rank, in]`` and ``b[g]`` ``[out, width]``, 8-bit, ``width`` the rank rounded up to a
-    multiple of 32 (zero columns past the rank); checked and gathered once into the kernel's own
-    object, which holds the tensors."""
-    assert all(w.bits == 8 and w.zero == 128 and w.mins is None for w in [*a, *b])
-    assert all(wb.in_features == -(-wa.out_features // GROUP) * GROUP for wa, wb in zip(a, b, strict=True))
+    ``[rank, in]`` packed 8-bit (``pack_int8``) and ``b[g]`` (``pack_lora_b``); checked and
+    gathered once into the kernel's own object, which holds the tensors."""
+    assert all(w.bits == 8 and w.zero == 128 and w.mins is None for w in a)
     return _ops().LoraFactors(
-        [w.data for w in a], [w.scales for w in a], [w.data for w in b], [w.scales for w in b],
-        [w.out_features for w in a], a[0].in_features, b[0].out_features,
+        [w.data for w in a], [w.scales for w in a], [w.out_features for w in a], [f.data for f in b],
+        [f.scales for f in b], [[number for part in f.parts for number in part] for f in b], a[0].in_features,
+        b[0].out_features,
     )  # fmt: skip
 
 

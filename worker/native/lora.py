@@ -5,7 +5,8 @@ per adapter group: a CPU's matmul over a group's rows reads the group's small ma
 
 The decoder joins q/k/v and gate/up into one matmul each (``decoder.JoinedLinear``); an adapter's
 updates are joined the same way: the parts' ``A`` stacked (one matmul of the shared input) and
-their ``B`` block-diagonal (absent targets are empty blocks), the scaling folded into ``B``.
+their ``B`` block-diagonal (absent targets are empty blocks), the scaling folded into ``B``;
+the exact kernels keep ``B``'s blocks alone (``exact.LoraB``), not the zeros between them.
 
 Under the exact numerics (``--deterministic on``) the two small matmuls run inside the base
 matmul's own call (``exact.matmul``'s ``lora``): ``A`` reads the activations the base matmul
@@ -51,27 +52,19 @@ def model_shapes(spec: DecoderSpec, max_rank: int) -> ModelShapes:
     return ModelShapes(num_layers=spec.num_hidden_layers, shapes=shapes, sparse_layers=sparse, max_rank=max_rank)
 
 
-WIDTH = exact.GROUP
-"""Every adapter's rank is padded to a multiple of this in a joined update (zero rows of ``A``,
-zero columns of ``B``): then each of the exact kernels' input groups of ``B`` holds one adapter's
-columns alone, so an adapter's part of a joined update is computed as it is alone."""
-
-
 @dataclass(frozen=True)
 class Part:
-    """One adapter's update at one site of one layer, padded to ``width`` (a multiple of ``WIDTH``):
+    """One adapter's update at one site of one layer, of rank ``width`` (its parts' ranks summed):
     ``A`` ``[width, in]`` and ``B`` ``[out, width]`` (scaling folded in), as floats in the model's
-    dtype for the library kernels; or packed for the exact ones, ``A`` then ``[rank, in]``."""
+    dtype for the library kernels; or packed for the exact ones, ``B`` by parts (``exact.LoraB``)."""
 
     width: int
     a: torch.Tensor | exact.PackedWeight
-    b: torch.Tensor | exact.PackedWeight
+    b: torch.Tensor | exact.LoraB
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            w.nbytes if isinstance(w, exact.PackedWeight) else w.numel() * w.element_size() for w in (self.a, self.b)
-        )
+        return sum(w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes for w in (self.a, self.b))
 
 
 def _joined(pairs: dict[str, LoraPair], parts: tuple[str, ...], outs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,12 +77,17 @@ def _joined(pairs: dict[str, LoraPair], parts: tuple[str, ...], outs: list[int])
     return a, torch.block_diag(*blocks)
 
 
-def _padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    rank = a.shape[0]
-    width = -(-rank // WIDTH) * WIDTH
-    a = torch.cat([a, a.new_zeros(width - rank, a.shape[1])])
-    b = torch.cat([b, b.new_zeros(b.shape[0], width - rank)], dim=1)
-    return a, b, width
+def _exact_b(pairs: dict[str, LoraPair], parts: tuple[str, ...], outs: list[int]) -> exact.LoraB:
+    """The parts' ``B`` (times scaling) as the exact kernels keep them: each its own block of the
+    joined update, its outputs from its own slice of ``A x`` (``_joined``'s order)."""
+    blocks, n0, k0 = [], 0, 0
+    for part, out in zip(parts, outs, strict=True):
+        if part in pairs:
+            pair = pairs[part]
+            blocks.append((n0, k0, pair.b * pair.scaling))
+            k0 += pair.a.shape[0]
+        n0 += out
+    return exact.pack_lora_b(blocks, n0)
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed as the object it is
@@ -115,12 +113,12 @@ def prepare(
             pairs = {part: adapter.pairs[(index, part)] for part in parts if (index, part) in adapter.pairs}
             if not pairs:
                 continue
-            a, b = _joined(pairs, parts, [shapes[part][1] for part in parts])
-            padded_a, padded_b, width = _padded(a, b)
-            if on_exact:  # A's rows as they are: the kernel reads zeros for t past the rank
-                sites[site] = Part(width, exact.pack_int8(a), exact.pack_int8(padded_b))
+            outs = [shapes[part][1] for part in parts]
+            a, b = _joined(pairs, parts, outs)
+            if on_exact:
+                sites[site] = Part(a.shape[0], exact.pack_int8(a), _exact_b(pairs, parts, outs))
             else:
-                sites[site] = Part(width, padded_a.to(dtype).contiguous(), padded_b.to(dtype).contiguous())
+                sites[site] = Part(a.shape[0], a.to(dtype).contiguous(), b.to(dtype).contiguous())
         layers.append(sites)
     nbytes = sum(part.nbytes for sites in layers for part in sites.values())
     return LoraModel(name, int(digest[:15], 16), tuple(layers), nbytes)

@@ -739,49 +739,77 @@ static at::Tensor qlinear_rows(const at::Tensor& x_in, int64_t prologue, const c
 }
 
 // LoRA: each row's low-rank update added to its output, out[r] += B_g (A_g x[r]) with g = group[r]
-// (-1: none). A_g reads the row's activations as the base matmul quantized them; t = A_g x is
-// computed as `qlinear` computes it with fp32 output, then quantized as `qlinear`'s input; B_g's
-// epilogue adds out[r] (the base output, already rounded) and rounds once to out's dtype. A row's
-// values depend on that row alone, never on the rows or adapters beside it, nor on the threads.
+// (-1: none). A_g reads the row's activations as the base matmul quantized them: t = A_g x is
+// computed as `qlinear` computes it with fp32 output. B_g is kept by parts (a joined projection's
+// update is block-diagonal: q, k and v each read their own slice of t), in 8-bit columns: each
+// block of 16 outputs has one float16 scale per column. Each output lane sums, for k in order,
+// fma(q[n, k], t[k] * scale[k], acc) from 0; then out[n] + acc is rounded once to out's dtype.
+// A row's values depend on that row alone, never on the rows or adapters beside it, nor on the
+// threads; the vector and portable code compute each lane with the same operations.
+
+// One part of B_g: outputs [n0, n0 + outs) read t[k0, k0 + rank).
+struct LoraPart {
+  int64_t n0, outs, k0, rank;
+  const int8_t* data;      // [blocks][rank][16]
+  const uint16_t* scales;  // [blocks][rank], float16
+};
 
 // One projection's factors for several adapters, checked and laid out once (every step of their
-// requests reads them): A_g [rank_g, k_in] and B_g [n_out, width_g] packed 8-bit with their
-// scales, width_g the rank rounded up to a multiple of 32 (B's columns past the rank are zeros).
+// requests reads them): A_g [rank_g, k_in] packed 8-bit in groups; B_g's parts as above, each
+// part's values after the one before it in `b_data` and `b_scales`.
 struct LoraFactors {
   std::vector<at::Tensor> keep;
-  std::vector<PackedWeight> a, b;
-  std::vector<int64_t> ranks, widths;
-  int64_t k_in, n_out, max_width = kGroup;
+  std::vector<PackedWeight> a;
+  std::vector<std::vector<LoraPart>> b;
+  std::vector<int64_t> ranks;
+  int64_t k_in, n_out, max_rank = 1;
 
   LoraFactors(const std::vector<at::Tensor>& a_weights, const std::vector<at::Tensor>& a_scales,
-              const std::vector<at::Tensor>& b_weights, const std::vector<at::Tensor>& b_scales,
-              const std::vector<int64_t>& ranks_in, int64_t k_in_, int64_t n_out_)
+              const std::vector<int64_t>& ranks_in, const std::vector<at::Tensor>& b_data,
+              const std::vector<at::Tensor>& b_scales, const std::vector<std::vector<int64_t>>& b_parts,
+              int64_t k_in_, int64_t n_out_)
       : ranks(ranks_in), k_in(k_in_), n_out(n_out_) {
     const size_t count = ranks.size();
-    TORCH_CHECK(a_weights.size() == count && a_scales.size() == count && b_weights.size() == count &&
-                    b_scales.size() == count,
-                "lora: A and B, with their scales, per adapter");
+    TORCH_CHECK(a_weights.size() == count && a_scales.size() == count && b_data.size() == count &&
+                    b_scales.size() == count && b_parts.size() == count,
+                "lora: A and B, with their scales and B's parts, per adapter");
+    const int64_t groups = (k_in + kGroup - 1) / kGroup;
     for (size_t g = 0; g < count; ++g) {
-      TORCH_CHECK(ranks[g] > 0, "lora: a positive rank");
-      widths.push_back((ranks[g] + kGroup - 1) / kGroup * kGroup);
-      a.push_back(packed(a_weights[g], a_scales[g], k_in, ranks[g]));
-      b.push_back(packed(b_weights[g], b_scales[g], widths[g], n_out));
-      max_width = std::max(max_width, widths[g]);
+      const int64_t rank = ranks[g], a_blocks = (rank + kLanes - 1) / kLanes;
+      TORCH_CHECK(rank > 0, "lora: a positive rank");
+      const at::Tensor& aw = a_weights[g];
+      const at::Tensor& as = a_scales[g];
+      TORCH_CHECK(aw.scalar_type() == at::kByte && aw.is_contiguous() && aw.numel() == a_blocks * groups * kGroup * kLanes,
+                  "lora: A packed 8-bit, [rank, k_in]");
+      TORCH_CHECK(as.is_contiguous() && (as.scalar_type() == at::kHalf || as.scalar_type() == at::kFloat) &&
+                      as.numel() == a_blocks * groups * kLanes,
+                  "lora: A's scales");
+      a.push_back(PackedWeight{aw.data_ptr<uint8_t>(), as.data_ptr(), nullptr, as.scalar_type() == at::kHalf, 128, 8,
+                               groups});
+      const at::Tensor& bd = b_data[g];
+      const at::Tensor& bsc = b_scales[g];
+      TORCH_CHECK(bd.scalar_type() == at::kChar && bd.is_contiguous() && bsc.scalar_type() == at::kHalf &&
+                      bsc.is_contiguous() && b_parts[g].size() % 4 == 0,
+                  "lora: B in int8 columns with float16 scales, parts of four numbers");
+      std::vector<LoraPart> parts;
+      int64_t data_at = 0, scales_at = 0;
+      for (size_t i = 0; i < b_parts[g].size(); i += 4) {
+        LoraPart part{b_parts[g][i], b_parts[g][i + 1], b_parts[g][i + 2], b_parts[g][i + 3], nullptr, nullptr};
+        TORCH_CHECK(part.n0 >= 0 && part.outs > 0 && part.n0 + part.outs <= n_out && part.k0 >= 0 && part.rank > 0 &&
+                        part.k0 + part.rank <= rank,
+                    "lora: a part of B outside the projection or the rank");
+        const int64_t blocks = (part.outs + kLanes - 1) / kLanes;
+        part.data = bd.data_ptr<int8_t>() + data_at;
+        part.scales = reinterpret_cast<const uint16_t*>(bsc.data_ptr()) + scales_at;
+        data_at += blocks * part.rank * kLanes;
+        scales_at += blocks * part.rank;
+        parts.push_back(part);
+      }
+      TORCH_CHECK(data_at == bd.numel() && scales_at == bsc.numel(), "lora: B's size is its parts'");
+      b.push_back(std::move(parts));
+      keep.insert(keep.end(), {aw, as, bd, bsc});
+      max_rank = std::max(max_rank, rank);
     }
-  }
-
- private:
-  PackedWeight packed(const at::Tensor& weight, const at::Tensor& scale, int64_t in, int64_t outs) {
-    const int64_t groups = (in + kGroup - 1) / kGroup, blocks = (outs + kLanes - 1) / kLanes;
-    TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && scale.is_contiguous(),
-                "lora: contiguous uint8 factors");
-    TORCH_CHECK(weight.numel() == blocks * groups * kGroup * kLanes, "lora: 8-bit packed weight size");
-    TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat, "lora: scales' dtype");
-    TORCH_CHECK(scale.numel() == blocks * groups * kLanes, "lora: one scale per group and output");
-    keep.push_back(weight);
-    keep.push_back(scale);
-    return PackedWeight{weight.data_ptr<uint8_t>(), scale.data_ptr(), nullptr, scale.scalar_type() == at::kHalf, 128,
-                        8, groups};
   }
 };
 
@@ -800,11 +828,72 @@ static void matmul_block_any(const PackedWeight& w, int64_t block, const RowQuan
   matmul_block_scalar(w, block, row, 1, n_out, epi, out, n_out, out_bf16);
 }
 
-// Blocks [begin, end) of a LoRA factor's product with one row, into `out` (`residual` added).
-static void lora_blocks(const PackedWeight& w, int64_t begin, int64_t end, const RowQuant& row, int64_t n_out,
-                        void* residual, void* out, bool out_bf16, bool vec) {
-  for (int64_t block = begin; block < end; ++block)
-    matmul_block_any(w, block, &row, n_out, Epilogue{nullptr, residual}, out, out_bf16, vec);
+// out[n0 + lane] += the block's update, for `lanes` (<= 16) outputs.
+PORTABLE_CLONES static void lora_b_block_scalar(const int8_t* q, const uint16_t* scales, int64_t rank, const float* t,
+                                                void* out, int64_t n0, int64_t lanes, bool out_bf16) {
+  float acc[kLanes];
+  for (int lane = 0; lane < kLanes; ++lane) acc[lane] = 0.0f;
+  for (int64_t k = 0; k < rank; ++k) {
+    const float coef = t[k] * half_to_float(scales[k]);
+    for (int lane = 0; lane < kLanes; ++lane)
+      acc[lane] = std::fma(static_cast<float>(q[k * kLanes + lane]), coef, acc[lane]);
+  }
+  for (int64_t lane = 0; lane < lanes; ++lane)
+    store_from_float(out, n0 + lane, load_as_float(out, n0 + lane, out_bf16) + acc[lane], out_bf16);
+}
+
+#ifdef RELAYLM_X86
+// NB blocks side by side (their FMA chains interleave); `lanes` of the last one. The products
+// t[k] * scale are the portable code's, 16 at a time.
+template <int NB>
+AVX512_TARGET static void lora_b_blocks_avx512(const int8_t* q, const uint16_t* scales, int64_t rank, const float* t,
+                                               void* out, int64_t n0, int64_t lanes, bool out_bf16) {
+  __m512 acc[NB];
+  alignas(64) float coef[NB][kLanes];
+  for (int j = 0; j < NB; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < rank; k0 += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, rank - k0);
+    const __mmask16 m = tail_mask(count);
+    const __m512 tv = _mm512_maskz_loadu_ps(m, t + k0);
+    for (int j = 0; j < NB; ++j)
+      _mm512_store_ps(coef[j], _mm512_mul_ps(tv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, scales + j * rank + k0))));
+    for (int64_t k = 0; k < count; ++k) {
+      for (int j = 0; j < NB; ++j) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j * rank + k0 + k) * kLanes));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), _mm512_set1_ps(coef[j][k]), acc[j]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const __mmask16 m = j == NB - 1 ? tail_mask(lanes) : static_cast<__mmask16>(0xFFFF);
+    const int64_t at = n0 + j * kLanes;
+    v_store_from_float(out, at, _mm512_add_ps(v_load_as_float(out, at, out_bf16, m), acc[j]), out_bf16, m);
+  }
+}
+#endif
+
+// out += B t for one row: every block of every part.
+static void lora_b(const std::vector<LoraPart>& parts, const float* t, void* out, bool out_bf16, bool vec) {
+  for (const LoraPart& part : parts) {
+    const int64_t blocks = (part.outs + kLanes - 1) / kLanes;
+    const float* tp = t + part.k0;
+    auto lanes_of = [&](int64_t block) { return std::min<int64_t>(kLanes, part.outs - block * kLanes); };
+    int64_t block = 0;
+#ifdef RELAYLM_X86
+    if (vec) {
+      for (; block + 4 <= blocks; block += 4)
+        lora_b_blocks_avx512<4>(part.data + block * part.rank * kLanes, part.scales + block * part.rank, part.rank, tp,
+                                out, part.n0 + block * kLanes, lanes_of(block + 3), out_bf16);
+      for (; block < blocks; ++block)
+        lora_b_blocks_avx512<1>(part.data + block * part.rank * kLanes, part.scales + block * part.rank, part.rank, tp,
+                                out, part.n0 + block * kLanes, lanes_of(block), out_bf16);
+      continue;
+    }
+#endif
+    for (; block < blocks; ++block)
+      lora_b_block_scalar(part.data + block * part.rank * kLanes, part.scales + block * part.rank, part.rank, tp, out,
+                          part.n0 + block * kLanes, lanes_of(block), out_bf16);
+  }
 }
 
 static void add_lora(const LoraFactors& lora, const at::Tensor& group, const QuantizedRows& xq, int64_t k_in,
@@ -815,49 +904,21 @@ static void add_lora(const LoraFactors& lora, const at::Tensor& group, const Qua
   TORCH_CHECK(group.scalar_type() == at::kLong && group.is_contiguous() && group.numel() == num_rows,
               "lora: one int64 group per row");
   const int64_t* gp = group.data_ptr<int64_t>();
-  const int64_t* rp = lora.ranks.data();
-  const int64_t* wp = lora.widths.data();
-  const std::vector<PackedWeight>& as = lora.a;
-  const std::vector<PackedWeight>& bs = lora.b;
-  const int64_t max_width = lora.max_width;
-  std::vector<int64_t> adapted;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    TORCH_CHECK(gp[r] < num_weights, "lora: group out of range");
-    if (gp[r] >= 0) adapted.push_back(r);
-  }
-  if (adapted.empty()) return;
+  for (int64_t r = 0; r < num_rows; ++r) TORCH_CHECK(gp[r] < num_weights, "lora: group out of range");
   const bool vec = use_avx512(scalar);
   const bool out_bf16 = out.scalar_type() == at::kBFloat16;
-  const int64_t count = static_cast<int64_t>(adapted.size());
-  const int64_t low_groups = max_width / kGroup;
-  std::vector<float> low(count * max_width);  // zeros: t past each adapter's rank
-  QuantizedRows lowq(count, low_groups);
-  // t = A x for each adapted row, then quantized: each row by one thread.
-  at::parallel_for(0, count, grain_for(max_width * k_in), [&](int64_t begin, int64_t end) {
-    std::vector<float> act(max_width);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = adapted[i], g = gp[r];
-      float* t = low.data() + i * max_width;
-      lora_blocks(as[g], 0, (rp[g] + kLanes - 1) / kLanes, xq.rows[r], rp[g], nullptr, t, false, vec);
-#ifdef RELAYLM_X86
-      if (vec) {
-        prologue_avx512(t, false, wp[g], kNone, nullptr, false, 0.0f, act.data());
-        quantize_avx512(act.data(), wp[g], bs[g].groups, lowq.rows[i]);
-        continue;
-      }
-#endif
-      prologue_scalar(t, false, wp[g], kNone, nullptr, false, 0.0f, act.data());
-      quantize_scalar(act.data(), wp[g], bs[g].groups, lowq.rows[i]);
-    }
-  });
-  // out += B t: each output block by one thread, for every adapted row.
   char* out_base = static_cast<char*>(out.data_ptr());
   const int64_t row_bytes = n_out * out.element_size();
-  const int64_t blocks = (n_out + kLanes - 1) / kLanes;
-  at::parallel_for(0, blocks, grain_for(kLanes * max_width * count), [&](int64_t begin, int64_t end) {
-    for (int64_t i = 0; i < count; ++i) {
-      void* out_row = out_base + adapted[i] * row_bytes;
-      lora_blocks(bs[gp[adapted[i]]], begin, end, lowq.rows[i], n_out, out_row, out_row, out_bf16, vec);
+  // Each row by one thread: t = A x, then B t into the row.
+  at::parallel_for(0, num_rows, grain_for(lora.max_rank * (k_in + n_out)), [&](int64_t begin, int64_t end) {
+    std::vector<float> t(lora.max_rank);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t g = gp[r];
+      if (g < 0) continue;
+      const int64_t rank = lora.ranks[g];
+      for (int64_t block = 0; block < (rank + kLanes - 1) / kLanes; ++block)
+        matmul_block_any(lora.a[g], block, &xq.rows[r], rank, Epilogue{nullptr, nullptr}, t.data(), false, vec);
+      lora_b(lora.b[g], t.data(), out_base + r * row_bytes, out_bf16, vec);
     }
   });
 }
@@ -1281,8 +1342,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("qlinear", &relaylm_exact::qlinear, release());
   pybind11::class_<relaylm_exact::LoraFactors>(m, "LoraFactors")
-      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                          const std::vector<at::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t>());
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
+                          const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                          const std::vector<std::vector<int64_t>>&, int64_t, int64_t>());
   m.def("qlinear_lora", &relaylm_exact::qlinear_lora, release());
   m.def("attention", &relaylm_exact::attention, release());
   m.def("rms_norm", &relaylm_exact::rms_norm, release());
