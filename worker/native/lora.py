@@ -165,23 +165,46 @@ class JoinedSite:
         return y
 
 
+_ExactRows = dict[tuple[int, Site], exact.LoraRows | None]
+
+
+class _Joins(NamedTuple):
+    """One set of adapters' joined updates by site; and the exact kernels' arguments by the
+    step's rows (each row's adapter, and the tokens a row), for the last few layouts."""
+
+    sites: dict[tuple[int, Site], JoinedSite | None]
+    rows: OrderedDict[tuple[tuple[int, ...], int], _ExactRows]
+
+
 class JoinCache:
     """Joined updates by the set of adapters a step holds, for the last few sets (a set changes
     when a request of a new adapter arrives or the last of one ends, not every step)."""
 
-    def __init__(self, max_sets: int = 4) -> None:
+    def __init__(self, max_sets: int = 4, max_layouts: int = 8) -> None:
         self.max_sets = max_sets
-        self._sets: OrderedDict[tuple[int, ...], dict[tuple[int, Site], JoinedSite | None]] = OrderedDict()
+        self.max_layouts = max_layouts
+        self._sets: OrderedDict[tuple[int, ...], _Joins] = OrderedDict()
 
-    def joined(self, adapters: tuple[LoraModel, ...]) -> dict[tuple[int, Site], JoinedSite | None]:
+    def joined(self, adapters: tuple[LoraModel, ...]) -> _Joins:
         key = tuple(id(adapter) for adapter in adapters)
         found = self._sets.get(key)
         if found is None:
-            found = self._sets[key] = {}
+            found = self._sets[key] = _Joins({}, OrderedDict())
             while len(self._sets) > self.max_sets:
                 self._sets.popitem(last=False)
         else:
             self._sets.move_to_end(key)
+        return found
+
+    def exact_rows(self, joins: _Joins, row_adapter: tuple[int, ...], query_len: int) -> _ExactRows:
+        key = (row_adapter, query_len)
+        found = joins.rows.get(key)
+        if found is None:
+            found = joins.rows[key] = {}
+            while len(joins.rows) > self.max_layouts:
+                joins.rows.popitem(last=False)
+        else:
+            joins.rows.move_to_end(key)
         return found
 
 
@@ -205,9 +228,12 @@ class LoraStep:
         self.adapters = adapters
         self.row_adapter = row_adapter  # each row's index in ``adapters``; -1: the base model's
         self.device = device
-        self._joined = joins.joined(adapters)
+        self._joins = joins
+        self._set = joins.joined(adapters)
+        self._joined = self._set.sites
         # By a joined site's members and slices: sites of one layout share their rows and masks.
         self._plans: dict[tuple[tuple[int, ...], tuple[tuple[int, int], ...]], _Plan] = {}
+        self._exact: dict[int, _ExactRows] = {}  # by tokens a row
 
     @classmethod
     def of_rows(
@@ -266,10 +292,18 @@ class LoraStep:
 
     def rows(self, layer: int, site: Site, query_len: int) -> exact.LoraRows | None:
         """The exact kernels' updates at ``site`` for the base matmul's call (``exact.matmul``'s
-        ``lora``): each of ``query_len`` tokens of a row in its row's group; None: none here."""
-        joined = self._site(layer, site)
-        if joined is None:
-            return None
-        assert not isinstance(joined.a, torch.Tensor)
-        group = self._plan(joined).group
-        return exact.LoraRows(joined.a, group if query_len == 1 else group.repeat_interleave(query_len))
+        ``lora``): each of ``query_len`` tokens of a row in its row's group; None: none here.
+        Kept from step to step while the rows' adapters stay (a decode step asks 4 a layer)."""
+        found = self._exact.get(query_len)
+        if found is None:
+            found = self._exact[query_len] = self._joins.exact_rows(self._set, tuple(self.row_adapter), query_len)
+        key = (layer, site)
+        if key not in found:
+            joined = self._site(layer, site)
+            if joined is None:
+                found[key] = None
+            else:
+                assert not isinstance(joined.a, torch.Tensor)
+                group = self._plan(joined).group
+                found[key] = exact.LoraRows(joined.a, group if query_len == 1 else group.repeat_interleave(query_len))
+        return found[key]
