@@ -136,6 +136,37 @@ def test_a_rows_matmul_bits_do_not_depend_on_the_rows_beside_it(out_features: in
             assert torch.equal(exact.matmul(x.view(3, 100, in_features), weight, bias).view(300, -1), every_row)
 
 
+@settings(max_examples=50, deadline=None)
+@given(
+    outs=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    ranks=st.lists(st.integers(1, 40), min_size=3, max_size=3),
+    gap=st.integers(0, 20),
+    seed=st.integers(0, 2**16),
+)
+def test_a_lora_b_packs_by_parts_within_half_a_step_of_each_column(
+    outs: list[int], ranks: list[int], gap: int, seed: int
+) -> None:
+    """Each part's columns come back within half a quantization step of their block's scale, and
+    nothing outside the parts (a joined projection's zeros are not kept)."""
+    generator = torch.Generator().manual_seed(seed)
+    parts, n0, k0 = [], gap, 0
+    for out, rank in zip(outs, ranks, strict=False):
+        parts.append((n0, k0, torch.randn(out, rank, generator=generator) * 0.05))
+        n0, k0 = n0 + out + gap, k0 + rank
+    packed = exact.pack_lora_b(parts, n0)
+    assert packed.data.numel() == sum(-(-b.shape[0] // exact.LANES) * exact.LANES * b.shape[1] for _, _, b in parts)
+    full = exact.unpack_lora_b(packed, k0)
+    expected = torch.zeros(n0, k0)
+    for start, first, b in parts:
+        expected[start : start + b.shape[0], first : first + b.shape[1]] = b
+        blocks = -(-b.shape[0] // exact.LANES)
+        padded = torch.cat([b.abs(), b.new_zeros(blocks * exact.LANES - b.shape[0], b.shape[1])])
+        step = padded.view(blocks, exact.LANES, -1).amax(dim=1).repeat_interleave(exact.LANES, dim=0)[: b.shape[0]]
+        error = (full[start : start + b.shape[0], first : first + b.shape[1]] - b).abs()
+        assert bool((error <= step / 127 / 2 * 1.01 + 1e-12).all())
+    assert bool((full[expected == 0] == 0).all())
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     prologue=st.sampled_from([exact.PROLOGUE_NONE, exact.PROLOGUE_RMS_NORM, exact.PROLOGUE_SILU_MUL]),
