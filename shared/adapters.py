@@ -70,6 +70,22 @@ class AdapterStore:
             await pipe.execute()
         return record
 
+    async def ensure(self, name: str, base: str, config: bytes, weights: bytes, rank: int, targets: list[str]) -> bool:
+        """``put``, unless these files are stored under ``name`` for ``base`` already (a worker
+        started with ``--lora`` then writes nothing at its next start); True when it stored them."""
+        found = await self.record(name)
+        if found is not None and found.base == base and found.sha256 == digest(config, weights):
+            # ``put`` writes a record and its files in one transaction: files of the record's size
+            # under the name are the record's.
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hstrlen(self._keys.adapter_files(name), "config")
+                pipe.hstrlen(self._keys.adapter_files(name), "weights")
+                config_len, weights_len = await pipe.execute()
+            if (config_len, weights_len) == (len(config), len(weights)):
+                return False
+        await self.put(name, base, config, weights, rank, targets)
+        return True
+
     async def delete(self, name: str) -> bool:
         """Remove an adapter; False when there was none."""
         async with self._redis.pipeline(transaction=True) as pipe:

@@ -118,7 +118,8 @@ class WorkerProcess:
         )  # fmt: skip
         readiness = self.kind.describe(self.registration.info)
         for name, config, weights, rank, targets in readiness.adapters_to_store:
-            await adapters.put(name, s.model_id, config, weights, rank, targets)
+            if await adapters.ensure(name, s.model_id, config, weights, rank, targets):
+                logger.info("adapter %s stored in Redis (%d bytes)", name, len(config) + len(weights))
         consumers.extend(self._consumers(runner, engine, readiness.fair_share_slots))
         self.registration.jobs_probe = lambda: sum(consumer.num_jobs_running for consumer in consumers)
         listener = ControlListener(
