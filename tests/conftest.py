@@ -37,11 +37,24 @@ ALONE = frozenset(
     }
 )
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ... in a parallel run
+_PINNED = False
 if _XDIST_WORKER and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and hasattr(os, "sched_setaffinity"):
     _cores = sorted(os.sched_getaffinity(0))
     if len(_cores) > 1:
         os.sched_setaffinity(0, {_cores[int(_XDIST_WORKER.removeprefix("gw")) % len(_cores)]})
         torch.set_num_threads(1)
+        _PINNED = True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A pinned process starts every test on one torch thread. torch keeps one thread count for
+    the process: a test whose engine thread set two (tests/worker/test_thread_budget.py), or a
+    library that set its own, would leave the tests after it running two OpenMP threads on one
+    core, each waiting on the other at every parallel region (30-100x slower)."""
+    if _PINNED and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
 
 # Every worker the tests start would otherwise compile its one-row decode step in a background
 # process (tens of seconds of both cores each). The tests that exercise it ask for it:
@@ -75,6 +88,16 @@ def pytest_runtest_makereport(
                 if lines:
                     report.sections.append((f"{process.role} warnings", "\n".join(lines[-_FAILURE_LOG_LINES:])))
     return report
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``-n`` (2 or more), before the test processes start: their OpenMP threads wait
+    passively. Each process has one core, and a test that runs two torch threads on it (the
+    self-test's thread counts, the determinism tests' thread changes) would otherwise have each
+    thread spin out its time slice at every parallel region while the other waits for the core."""
+    processes = getattr(config.option, "numprocesses", None)
+    if isinstance(processes, int) and processes > 1:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

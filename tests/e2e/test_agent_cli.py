@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -89,13 +90,31 @@ def _cli_prefill_forecast_s(stack: Stack) -> float:
     return CLI_PROMPT_TOKENS * (short_cost + growth * (CLI_PROMPT_TOKENS - short))
 
 
-# The CLI's first prompt is a cold ~16k-token prefill: 3-4 minutes on a 2-core CPU with the exact kernels.
+class Workspace(NamedTuple):
+    project: Path  # the CLI's working directory
+    home: Path  # its HOME (settings; the CLI quotes a file of it by its path in its system prompt)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    """One project folder and one HOME for every run, as a user's: the CLI's first prompt (its
+    system prompt, tools, then the folder's path and files) is then the same over each API, and
+    the first run's cold prefill is the prefix cache's for the next two."""
+    base = tmp_path_factory.mktemp("agent-cli")
+    workspace = Workspace(base / "project", base / "home")
+    workspace.project.mkdir()
+    (workspace.project / "notes.txt").write_text(f"The secret word is {SECRET}.\n")
+    return workspace
+
+
+# The CLI's first prompt is a cold ~16k-token prefill: 2-4 minutes on a 2-core CPU with the exact kernels.
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("auth_type", list(ROUTES))
-def test_qwen_code_makes_a_tool_round_trip(agent_stack: Stack, auth_type: str, tmp_path: Path) -> None:
+def test_qwen_code_makes_a_tool_round_trip(agent_stack: Stack, workspace: Workspace, auth_type: str) -> None:
     executable = ensure_qwen_code()
-    (tmp_path / "notes.txt").write_text(f"The secret word is {SECRET}.\n")
-    run = run_qwen_code(executable, agent_stack.base_url, MODEL, auth_type, tmp_path, PROMPT, timeout_s=480)
+    run = run_qwen_code(
+        executable, agent_stack.base_url, MODEL, auth_type, workspace.project, workspace.home, PROMPT, timeout_s=480
+    )
     assert run.returncode == 0 and run.messages, run.stderr[-3000:]
     result = run.result
     assert result["subtype"] == "success" and not result["is_error"], result

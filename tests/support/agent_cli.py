@@ -68,10 +68,17 @@ class AgentRun:
 
 
 def run_qwen_code(
-    executable: Path, base_url: str, model: str, auth_type: str, workdir: Path, prompt: str, timeout_s: float
+    executable: Path,
+    base_url: str,
+    model: str,
+    auth_type: str,
+    workdir: Path,
+    home: Path,
+    prompt: str,
+    timeout_s: float,
 ) -> AgentRun:
-    """One headless run (``-o json``, tools approved) in ``workdir``, with a HOME of its own."""
-    home = workdir / ".home"
+    """One headless run (``-o json``, tools approved) in ``workdir``, with ``home`` as its HOME
+    (outside ``workdir``: the CLI lists the working directory's files in its first prompt)."""
     (home / ".qwen").mkdir(parents=True, exist_ok=True)
     (home / ".qwen" / "settings.json").write_text(json.dumps(SETTINGS))
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "NO_COLOR": "1", "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1"}
