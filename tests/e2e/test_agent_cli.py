@@ -25,11 +25,12 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.real_model,
     pytest.mark.skipif(not npm_available(), reason="node and npm are needed to install qwen-code"),
-    # The CLI's first prompt is ~16k tokens: minutes on the exact kernels' AVX-512 VNNI code, about
-    # twenty on the portable code a CPU without it runs (measured: ~80 ms a token for this model).
+    # The CLI's first prompt is ~16k tokens: minutes on the exact kernels' AVX-512 VNNI code; a CPU
+    # without it runs their AVX2 code, 3-4.5x slower on long prompts (docs/performance.md#long-prompts).
     pytest.mark.skipif(
         not (exact.available() and exact.has_vector_path()),
-        reason="the exact kernels run their portable code on this CPU: the CLI's 16k-token prompts take ~20 min",
+        reason="the exact kernels run their AVX2 or portable code on this CPU: the CLI's 16k-token prompts take "
+        "3-4.5x the AVX-512 code's several minutes",
     ),
 ]
 MODEL = "qwen2.5-coder-0.5b-instruct"

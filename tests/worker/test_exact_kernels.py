@@ -278,7 +278,7 @@ def test_attention_gives_a_query_the_same_bits_alone_or_among_others(
     rows: int, kv_heads: int, group: int, dim: int, queries: int, extra_keys: int, seed: int
 ) -> None:
     """Decode (one query) and prefill (many) agree; keys past a query's position never count, so
-    padding and stale slot contents change nothing; vector and portable code agree."""
+    padding and stale slot contents change nothing; the AVX512-VNNI, AVX2 and portable code agree."""
     generator = torch.Generator().manual_seed(seed)
     heads, keys = kv_heads * group, queries + extra_keys
     query = torch.randn(rows, heads, queries, dim, generator=generator).to(torch.bfloat16)
@@ -289,6 +289,7 @@ def test_attention_gives_a_query_the_same_bits_alone_or_among_others(
     scale = dim**-0.5
     out = exact.attention(query, key, value, positions, scale)
     assert torch.equal(exact.attention(query, key, value, positions, scale, scalar=True), out)
+    assert torch.equal(exact.attention(query, key, value, positions, scale, portable=True), out)
     for t in range(queries):
         one = exact.attention(query[:, :, t : t + 1], key, value, positions[:, t : t + 1], scale)
         assert torch.equal(one[:, 0], out[:, t])
@@ -306,6 +307,31 @@ def test_attention_gives_a_query_the_same_bits_alone_or_among_others(
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     plain = torch.einsum("rhtk,rhkd->rthd", scores.softmax(dim=-1), expanded_value)
     assert (out.double() - plain).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_long_prompts_attention_agrees_across_paths_and_reads_the_cache_as_each_call_finds_it(
+    dtype: torch.dtype,
+) -> None:
+    """Keys over several of the vector code's key blocks, and many query chunks per kv head (a
+    thread converts a kv head's keys once for all its chunks): every path agrees; a cache written
+    in place between two calls is read as the second call finds it."""
+    generator = torch.Generator().manual_seed(7)
+    rows, kv_heads, group, dim, queries, keys = 2, 2, 7, 80, 45, 301
+    query = torch.randn(rows, kv_heads * group, queries, dim, generator=generator).to(dtype)
+    key = torch.randn(rows, kv_heads, keys, dim, generator=generator).to(dtype)
+    value = torch.randn(rows, kv_heads, keys, dim, generator=generator).to(dtype)
+    positions = torch.tensor([[keys - queries], [100]]) + torch.arange(queries)[None, :]
+    scale = dim**-0.5
+    out = exact.attention(query, key, value, positions, scale)
+    assert torch.equal(exact.attention(query, key, value, positions, scale, scalar=True), out)
+    assert torch.equal(exact.attention(query, key, value, positions, scale, portable=True), out)
+    key[:, :, 50:60] = torch.randn(rows, kv_heads, 10, dim, generator=generator).to(dtype)
+    value[:, :, 120] = value[:, :, 121]
+    for paths in ({}, {"scalar": True}):
+        again = exact.attention(query, key, value, positions, scale, **paths)
+        assert torch.equal(again, exact.attention(query, key.clone(), value.clone(), positions, scale, portable=True))
+        assert not torch.equal(again, out)
 
 
 @settings(max_examples=30, deadline=None)

@@ -12,7 +12,9 @@ fix the order in our own code:
 - **Norms, attention and the sampler's sums** reduce in an order written in the kernel (16
   lanes and a halving tree, or key order), each row or query by one thread.
 - Vector (AVX512-VNNI) and portable code compute the same operations, so they give the same bits;
-  ``scalar=True`` forces the portable code (the tests compare both).
+  ``scalar=True`` forces the portable code (the tests compare both). On a CPU without AVX512-VNNI
+  the matmul and attention run AVX2 code where the CPU has it (``portable=True`` forces the plain
+  C++ of attention, which every CPU can run).
 
 The extension is compiled at first use with the C++ compiler torch's ``cpp_extension`` finds
 (~30 s, once: cached by torch under ``TORCH_EXTENSIONS_DIR``, keyed by the source). Without a
@@ -280,11 +282,13 @@ class LoraRows(NamedTuple):
 
 def attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, scale: float,
-    scalar: bool = False,
+    scalar: bool = False, portable: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """``query`` ``[rows, heads, queries, dim]`` against ``key``/``value`` ``[rows, kv_heads, keys,
-    dim]``, query ``(r, t)`` seeing keys ``0..positions[r, t]``; ``[rows, queries, heads, dim]``."""
-    return _ops().attention(query, key, value, positions, scale, scalar)
+    dim]``, query ``(r, t)`` seeing keys ``0..positions[r, t]``; ``[rows, queries, heads, dim]``.
+    ``scalar``: the code a CPU without AVX512-VNNI runs (AVX2 where it has it); ``portable``: the
+    plain C++ every CPU can run. All three give the same bits."""
+    return _ops().attention(query, key, value, positions, scale, scalar, portable)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scalar: bool = False) -> torch.Tensor:

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -965,6 +966,7 @@ struct AttnArgs {
   int64_t queries, heads, kv_heads, dim, keys;
   float scale;
   char* out;                         // [rows, queries, heads, dim]
+  uint64_t call;                     // this call's number: what a thread's fp32 copy of K and V is of
 };
 
 static inline float elem(const char* base, int64_t i, bool bf16) {
@@ -1000,14 +1002,67 @@ PORTABLE_CLONES static void attend_scalar(const AttnArgs& a, int64_t row, int64_
   for (int64_t d = 0; d < a.dim; ++d) store_from_float(a.out, oo + d, o[d] / l, a.bf16);
 }
 
+// One (row, kv head)'s keys and values in fp32, [key][dim], for the vector code. A thread's items
+// are consecutive (row, kv head, chunk) numbers, so it converts each (row, kv head) once per call,
+// and only the keys its later items see beyond its earlier ones; a copy per item read and wrote
+// the whole cache again for every 16 queries of a long prompt. Padded with zeros to `padded` keys.
+struct KvCopy {
+  uint64_t call = 0;
+  int64_t row = -1, kvh = -1, keys = 0;
+  std::vector<float> k, v;
+};
+
+static void copy_kv_row(const AttnArgs& a, int64_t row, int64_t kvh, int64_t keys, int64_t padded, KvCopy& copy) {
+  const int64_t dim = a.dim;
+  if (copy.call != a.call || copy.row != row || copy.kvh != kvh) {
+    copy.call = a.call;
+    copy.row = row;
+    copy.kvh = kvh;
+    copy.keys = 0;
+  }
+  if (static_cast<int64_t>(copy.k.size()) < padded * dim) copy.k.resize(padded * dim);
+  if (static_cast<int64_t>(copy.v.size()) < padded * dim) copy.v.resize(padded * dim);
+  for (int64_t j = copy.keys; j < keys; ++j) {
+    const int64_t ko = row * a.k_row + kvh * a.k_head + j * a.k_pos, vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
+    float* kd = copy.k.data() + j * dim;
+    float* vd = copy.v.data() + j * dim;
+    for (int64_t d = 0; d < dim; ++d) kd[d] = elem(a.k, ko + d, a.bf16);
+    for (int64_t d = 0; d < dim; ++d) vd[d] = elem(a.v, vo + d, a.bf16);
+  }
+  copy.keys = std::max(copy.keys, keys);
+  // Keys past `keys` are scored but never seen (the lanes' masks): zeros keep them finite.
+  if (copy.keys == keys) std::fill(copy.k.begin() + keys * dim, copy.k.begin() + padded * dim, 0.0f);
+}
+
+static std::atomic<uint64_t> attention_calls{0};
+
 #ifdef RELAYLM_X86
 // Up to 16 queries of one kv head, one per lane; every lane runs attend_scalar's operations.
+// Scores four keys at a time; then, a block of keys at a time, the weights (exp) and their sum,
+// and every dimension's weighted values, so that a block's values are read from the L1 cache
+// once for all dimensions. Each lane's sums still run over the keys in order.
+constexpr int64_t kKeyBlock = 64;
+
+template <int W>
+AVX512_TARGET static inline void weigh_values_avx512(const float* weights, const float* vf, const __mmask16* visible,
+                                                     int64_t n, int64_t dim, int64_t d0, float* o) {
+  __m512 acc[W];
+  for (int i = 0; i < W; ++i) acc[i] = _mm512_loadu_ps(o + (d0 + i) * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 p = _mm512_loadu_ps(weights + j * kLanes);
+    const float* v = vf + j * dim + d0;
+    for (int i = 0; i < W; ++i) acc[i] = _mm512_mask3_fmadd_ps(p, _mm512_set1_ps(v[i]), acc[i], visible[j]);
+  }
+  for (int i = 0; i < W; ++i) _mm512_storeu_ps(o + (d0 + i) * kLanes, acc[i]);
+}
+
 AVX512_TARGET static void attend_avx512(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
                                         const int64_t* lane_t, int count) {
-  // Queries in the lanes; keys and values converted to fp32 once; scores four keys at a time and
-  // the weighted values eight dimensions at a time, so the accumulators stay in registers.
   const int64_t dim = a.dim;
-  std::vector<float> qt(dim * kLanes, 0.0f);  // [dim][lane]
+  thread_local std::vector<float> qt, scores, o;
+  thread_local KvCopy copy;
+  if (static_cast<int64_t>(qt.size()) < dim * kLanes) qt.resize(dim * kLanes);
+  std::fill(qt.begin(), qt.begin() + dim * kLanes, 0.0f);  // [dim][lane]
   alignas(64) int32_t last_lane[kLanes];
   int64_t last = 0;
   for (int i = 0; i < kLanes; ++i) {
@@ -1023,23 +1078,12 @@ AVX512_TARGET static void attend_avx512(const AttnArgs& a, int64_t row, int64_t 
   }
   const __m512i last_v = _mm512_load_si512(last_lane);
   const int64_t keys = last + 1, padded = (keys + 3) / 4 * 4;
-  // Reused per thread: a long prompt's items would otherwise allocate and clear megabytes each.
-  thread_local std::vector<float> kf, vf, scores;
-  if (static_cast<int64_t>(kf.size()) < padded * dim) kf.resize(padded * dim);
-  if (static_cast<int64_t>(vf.size()) < keys * dim) vf.resize(keys * dim);
+  copy_kv_row(a, row, kvh, keys, padded, copy);
+  const float *kf = copy.k.data(), *vf = copy.v.data();
   if (static_cast<int64_t>(scores.size()) < padded * kLanes) scores.resize(padded * kLanes);
-  std::fill(kf.begin() + keys * dim, kf.begin() + padded * dim, 0.0f);
-  for (int64_t j = 0; j < keys; ++j) {
-    const int64_t ko = row * a.k_row + kvh * a.k_head + j * a.k_pos, vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
-    for (int64_t d = 0; d < dim; d += kLanes) {
-      __mmask16 m = tail_mask(dim - d);
-      _mm512_mask_storeu_ps(kf.data() + j * dim + d, m, v_load_as_float(a.k, ko + d, a.bf16, m));
-      _mm512_mask_storeu_ps(vf.data() + j * dim + d, m, v_load_as_float(a.v, vo + d, a.bf16, m));
-    }
-  }
   const __m512 scale = _mm512_set1_ps(a.scale);  // scores: [key][lane]
   for (int64_t j = 0; j < padded; j += 4) {
-    const float *k0 = kf.data() + j * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+    const float *k0 = kf + j * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
     for (int64_t d = 0; d < dim; ++d) {
       __m512 q = _mm512_loadu_ps(qt.data() + d * kLanes);
@@ -1058,29 +1102,27 @@ AVX512_TARGET static void attend_avx512(const AttnArgs& a, int64_t row, int64_t 
     __mmask16 visible = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j)), last_v, _MM_CMPINT_LE);
     m = _mm512_mask_max_ps(m, visible, m, _mm512_loadu_ps(scores.data() + j * kLanes));
   }
-  thread_local std::vector<__mmask16> visible;
-  if (static_cast<int64_t>(visible.size()) < keys) visible.resize(keys);
+  if (static_cast<int64_t>(o.size()) < dim * kLanes) o.resize(dim * kLanes);
+  std::fill(o.begin(), o.begin() + dim * kLanes, 0.0f);  // [dim][lane]
+  __mmask16 visible[kKeyBlock];
   __m512 l = _mm512_setzero_ps();
-  for (int64_t j = 0; j < keys; ++j) {  // weights in place of the scores, and their sum in key order
-    visible[j] = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j)), last_v, _MM_CMPINT_LE);
-    __m512 p = v_exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + j * kLanes), m));
-    _mm512_storeu_ps(scores.data() + j * kLanes, p);
-    l = _mm512_mask_add_ps(l, visible[j], l, p);
+  for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, keys - j0);
+    float* weights = scores.data() + j0 * kLanes;
+    for (int64_t j = 0; j < n; ++j) {  // the weights in place of the scores, and their sum in key order
+      visible[j] = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j0 + j)), last_v, _MM_CMPINT_LE);
+      __m512 p = v_exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(weights + j * kLanes), m));
+      _mm512_storeu_ps(weights + j * kLanes, p);
+      l = _mm512_mask_add_ps(l, visible[j], l, p);
+    }
+    const float* vb = vf + j0 * dim;
+    int64_t d0 = 0;
+    for (; d0 + 16 <= dim; d0 += 16) weigh_values_avx512<16>(weights, vb, visible, n, dim, d0, o.data());
+    for (; d0 + 4 <= dim; d0 += 4) weigh_values_avx512<4>(weights, vb, visible, n, dim, d0, o.data());
+    for (; d0 < dim; ++d0) weigh_values_avx512<1>(weights, vb, visible, n, dim, d0, o.data());
   }
   alignas(64) float lsum[kLanes];
   _mm512_store_ps(lsum, l);
-  std::vector<float> o(dim * kLanes);  // [dim][lane]
-  for (int64_t d0 = 0; d0 < dim; d0 += 8) {
-    const int64_t width = dim - d0 < 8 ? dim - d0 : 8;
-    __m512 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < keys; ++j) {
-      const __m512 p = _mm512_loadu_ps(scores.data() + j * kLanes);
-      const float* v = vf.data() + j * dim + d0;
-      for (int i = 0; i < width; ++i) acc[i] = _mm512_mask3_fmadd_ps(p, _mm512_set1_ps(v[i]), acc[i], visible[j]);
-    }
-    for (int i = 0; i < width; ++i) _mm512_storeu_ps(o.data() + (d0 + i) * kLanes, acc[i]);
-  }
   for (int i = 0; i < count; ++i) {
     int64_t oo = ((row * a.queries + lane_t[i]) * a.heads + lane_head[i]) * dim;
     for (int64_t d = 0; d < dim; ++d) store_from_float(a.out, oo + d, o[d * kLanes + i] / lsum[i], a.bf16);
@@ -1170,8 +1212,132 @@ AVX512_TARGET static void attend_few_avx512(const AttnArgs& a, int64_t row, int6
 }
 #endif
 
+#ifdef RELAYLM_X86
+// The AVX2 attention (CPUs without the AVX-512 path): attend_avx512's passes on 8 query lanes
+// (AVX2 has 16 vector registers), masks as blends. Each lane still runs attend_scalar's
+// operations in its order; FMA as std::fma, and exp_fixed's steps.
+#define AVX2_FMA_TARGET __attribute__((target("avx2,fma")))
+constexpr int kLanes8 = 8;
+
+AVX2_FMA_TARGET static inline __m256 v8_exp_fixed(__m256 x) {
+  __m256 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLow)), _mm256_set1_ps(kExpHigh));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(kLn2Hi), c);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
+  __m256 r2 = _mm256_mul_ps(r, r);
+  p = _mm256_fmadd_ps(p, r2, r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+  __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLow), _CMP_LT_OQ);
+  return _mm256_blendv_ps(out, _mm256_setzero_ps(), low);
+}
+
+// Lane i sees key j where j <= last[i], that is last[i] > j - 1: all ones, or zeros.
+AVX2_FMA_TARGET static inline __m256 visible_at(__m256i last, int64_t j) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(last, _mm256_set1_epi32(static_cast<int32_t>(j - 1))));
+}
+
+template <int W>
+AVX2_FMA_TARGET static inline void weigh_values_avx2(const float* weights, const float* vf, const __m256* visible,
+                                                     int64_t n, int64_t dim, int64_t d0, float* o) {
+  __m256 acc[W];
+  for (int i = 0; i < W; ++i) acc[i] = _mm256_loadu_ps(o + (d0 + i) * kLanes8);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 p = _mm256_loadu_ps(weights + j * kLanes8);
+    const float* v = vf + j * dim + d0;
+    for (int i = 0; i < W; ++i)
+      acc[i] = _mm256_blendv_ps(acc[i], _mm256_fmadd_ps(p, _mm256_set1_ps(v[i]), acc[i]), visible[j]);
+  }
+  for (int i = 0; i < W; ++i) _mm256_storeu_ps(o + (d0 + i) * kLanes8, acc[i]);
+}
+
+AVX2_FMA_TARGET static void attend_avx2(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
+                                        const int64_t* lane_t, int count) {
+  const int64_t dim = a.dim;
+  thread_local std::vector<float> qt, scores, o;
+  thread_local KvCopy copy;
+  if (static_cast<int64_t>(qt.size()) < dim * kLanes8) qt.resize(dim * kLanes8);
+  std::fill(qt.begin(), qt.begin() + dim * kLanes8, 0.0f);  // [dim][lane]
+  alignas(32) int32_t last_lane[kLanes8];
+  int64_t last = 0;
+  for (int i = 0; i < kLanes8; ++i) {
+    if (i < count) {
+      int64_t qo = row * a.q_row + lane_head[i] * a.q_head + lane_t[i] * a.q_pos;
+      for (int64_t d = 0; d < dim; ++d) qt[d * kLanes8 + i] = elem(a.q, qo + d, a.bf16);
+      int64_t p = query_position(a, row, lane_t[i]);
+      last_lane[i] = static_cast<int32_t>(p);
+      last = p > last ? p : last;
+    } else {
+      last_lane[i] = -1;
+    }
+  }
+  const __m256i last_v = _mm256_load_si256(reinterpret_cast<const __m256i*>(last_lane));
+  const int64_t keys = last + 1, padded = (keys + 3) / 4 * 4;
+  copy_kv_row(a, row, kvh, keys, padded, copy);
+  const float *kf = copy.k.data(), *vf = copy.v.data();
+  if (static_cast<int64_t>(scores.size()) < padded * kLanes8) scores.resize(padded * kLanes8);
+  const __m256 scale = _mm256_set1_ps(a.scale);  // scores: [key][lane]
+  for (int64_t j = 0; j < padded; j += 4) {
+    const float *k0 = kf + j * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; ++d) {
+      __m256 q = _mm256_loadu_ps(qt.data() + d * kLanes8);
+      s0 = _mm256_fmadd_ps(q, _mm256_set1_ps(k0[d]), s0);
+      s1 = _mm256_fmadd_ps(q, _mm256_set1_ps(k1[d]), s1);
+      s2 = _mm256_fmadd_ps(q, _mm256_set1_ps(k2[d]), s2);
+      s3 = _mm256_fmadd_ps(q, _mm256_set1_ps(k3[d]), s3);
+    }
+    _mm256_storeu_ps(scores.data() + (j + 0) * kLanes8, _mm256_mul_ps(s0, scale));
+    _mm256_storeu_ps(scores.data() + (j + 1) * kLanes8, _mm256_mul_ps(s1, scale));
+    _mm256_storeu_ps(scores.data() + (j + 2) * kLanes8, _mm256_mul_ps(s2, scale));
+    _mm256_storeu_ps(scores.data() + (j + 3) * kLanes8, _mm256_mul_ps(s3, scale));
+  }
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < keys; ++j) {
+    __m256 s = _mm256_loadu_ps(scores.data() + j * kLanes8);
+    m = _mm256_blendv_ps(m, _mm256_max_ps(m, s), visible_at(last_v, j));
+  }
+  if (static_cast<int64_t>(o.size()) < dim * kLanes8) o.resize(dim * kLanes8);
+  std::fill(o.begin(), o.begin() + dim * kLanes8, 0.0f);  // [dim][lane]
+  __m256 visible[kKeyBlock];
+  __m256 l = _mm256_setzero_ps();
+  for (int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, keys - j0);
+    float* weights = scores.data() + j0 * kLanes8;
+    for (int64_t j = 0; j < n; ++j) {
+      visible[j] = visible_at(last_v, j0 + j);
+      __m256 p = v8_exp_fixed(_mm256_sub_ps(_mm256_loadu_ps(weights + j * kLanes8), m));
+      _mm256_storeu_ps(weights + j * kLanes8, p);
+      l = _mm256_blendv_ps(l, _mm256_add_ps(l, p), visible[j]);
+    }
+    const float* vb = vf + j0 * dim;
+    int64_t d0 = 0;
+    for (; d0 + 8 <= dim; d0 += 8) weigh_values_avx2<8>(weights, vb, visible, n, dim, d0, o.data());
+    for (; d0 < dim; ++d0) weigh_values_avx2<1>(weights, vb, visible, n, dim, d0, o.data());
+  }
+  alignas(32) float lsum[kLanes8];
+  _mm256_store_ps(lsum, l);
+  for (int i = 0; i < count; ++i) {
+    int64_t oo = ((row * a.queries + lane_t[i]) * a.heads + lane_head[i]) * dim;
+    for (int64_t d = 0; d < dim; ++d) store_from_float(a.out, oo + d, o[d * kLanes8 + i] / lsum[i], a.bf16);
+  }
+}
+
+static bool use_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
-                     double scale, bool scalar) {
+                     double scale, bool scalar, bool portable) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: 4-d q, k, v");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "attention: one dtype");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "attention: bf16 or fp32");
@@ -1187,11 +1353,14 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
              static_cast<const char*>(v.data_ptr()), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
              k.stride(2), v.stride(0), v.stride(1), v.stride(2), q.scalar_type() == at::kBFloat16,
              pos.data_ptr<int64_t>(), queries, heads, kv_heads, dim, keys, static_cast<float>(scale),
-             static_cast<char*>(out.data_ptr())};
+             static_cast<char*>(out.data_ptr()), attention_calls.fetch_add(1) + 1};
   const int64_t group = heads / kv_heads;
   const int64_t per_kv = group * queries;  // query lanes of one kv head: (t, head in group)
   const int64_t chunks = (per_kv + kLanes - 1) / kLanes;
-  const bool vec = use_avx512(scalar);
+  const bool vec = use_avx512(scalar || portable);
+#ifdef RELAYLM_X86
+  const bool vec8 = !vec && !portable && use_avx2_fma();
+#endif
   const int64_t work = keys * dim * std::min<int64_t>(per_kv, kLanes) * 2;
   at::parallel_for(0, rows * kv_heads * chunks, grain_for(work), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -1209,6 +1378,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       }
       if (vec) {
         attend_avx512(a, row, kvh, lane_head, lane_t, count);
+        continue;
+      }
+      if (vec8) {
+        for (int first = 0; first < count; first += kLanes8)
+          attend_avx2(a, row, kvh, lane_head + first, lane_t + first, std::min(kLanes8, count - first));
         continue;
       }
 #endif
