@@ -86,8 +86,8 @@ class Metrics:
         )
         self.placements = Counter(
             "relaylm:placements",
-            "Chat jobs by placement: matched (left to the worker that holds most of its conversation for the "
-            "placement window), none (any worker's)",
+            "Chat and completion jobs by placement: matched (left to the worker that holds most of its conversation "
+            "or prompt for the placement window), none (any worker's)",
             ["model", "outcome"],
             registry=r,
         )
@@ -129,8 +129,9 @@ class Metrics:
         )
         self.placement_spills = ReportedCounter(
             "relaylm:placements_spilled",
-            "Chat jobs claimed by a worker other than the one they were placed on: the placement window ended, or "
-            "that worker was gone, draining or full (deployment-wide: every API process reports the same count)",
+            "Chat and completion jobs claimed by a worker other than the one they were placed on: the placement "
+            "window ended, or that worker was gone, draining or full (deployment-wide: every API process reports the "
+            "same count)",
             ["model"],
             registry=r,
         )

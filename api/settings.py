@@ -56,10 +56,10 @@ class ApiSettings(CommonSettings):
     placement_window_s: float = Field(
         default=2.0,
         ge=0,
-        description="How long a chat job waits for the live worker whose prefix cache holds the most of its "
-        "conversation (it claimed that conversation's earlier turn), while that worker is ready with a free slot; "
-        "after that, or at once when it is gone, draining or full, any worker of the model takes it. 0: no "
-        "placement (the first worker to ask takes each job).",
+        description="How long a chat or completion job waits for the live worker whose prefix cache holds the most "
+        "of its conversation or prompt (it claimed an earlier turn, or a prompt this one extends), while that "
+        "worker is ready with a free slot; after that, or at once when it is gone, draining or full, any worker of "
+        "the model takes it. 0: no placement (the first worker to ask takes each job).",
     )
     no_worker_grace_s: float = Field(
         default=3.0,

@@ -15,6 +15,12 @@ a job of the adapter hold it ready, so a job that finds no held conversation goe
 them rather than to a worker that must fetch the adapter and make it ready first (a worker holds
 the key as it holds affinity names).
 
+A completion's prompt has no messages: its keys are those of its first prompt's text up to the
+end of each block of ``TEXT_BLOCK_CHARS`` characters (``TOKEN_BLOCK`` ids for a prompt of token
+ids), the last one ending where the prompt does. A prompt that extends an earlier one (a
+pipeline's growing document, a client's own conversation format) holds the keys of the earlier
+one's whole blocks.
+
 Where messages cannot tell, the client can: a job's ``affinity`` (OpenAI's ``prompt_cache_key``
 or ``user``; in the Responses API, the response it continues and its own) adds a key per name,
 so a conversation's second turn finds the worker of its first even when the first was one
@@ -28,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from shared.contract import AnyJob, ChatJob
+from shared.contract import AnyJob, ChatJob, CompletionJob, Generate
 
 AFFINITY_MARK = "~"
 """Begins an affinity name's key (message keys are hex digests)."""
@@ -51,28 +57,51 @@ def adapter_key(model: str, adapter: str) -> str:
     return AFFINITY_MARK + _digest(json.dumps([model, adapter]), "adapter")
 
 
+TEXT_BLOCK_CHARS = 1024
+"""A completion's text prompt is keyed at the end of every block of this many characters."""
+TOKEN_BLOCK = 256
+"""A completion's token-id prompt is keyed at the end of every block of this many ids."""
+
+
+def _head(generate: Generate, **extra: object) -> str:
+    """What precedes the prompt's parts: the model, and a LoRA adapter's name (its prompts are
+    cached apart from the base model's; a base job's key stays as it was)."""
+    adapter = {"adapter": generate.adapter} if generate.adapter is not None else {}
+    return _digest("", json.dumps({"model": generate.model, **extra, **adapter}, sort_keys=True, ensure_ascii=False))
+
+
+def _parts(job: AnyJob) -> tuple[str, list[str]] | None:
+    """The chain's start and the parts whose ends are keyed; None for a job nothing places."""
+    if isinstance(job, ChatJob) and job.request.messages:
+        generate = job.request
+        tools = [tool.model_dump(mode="json") for tool in generate.tools]
+        head = _head(generate, tools=tools, template=generate.chat_template_kwargs)
+        return head, [message.model_dump_json() for message in generate.messages or []]
+    if isinstance(job, CompletionJob) and job.request.prompts:
+        prompt = job.request.prompts[0]
+        if isinstance(prompt, str):
+            blocks = [prompt[i : i + TEXT_BLOCK_CHARS] for i in range(0, len(prompt), TEXT_BLOCK_CHARS)]
+        else:
+            blocks = [json.dumps(prompt[i : i + TOKEN_BLOCK]) for i in range(0, len(prompt), TOKEN_BLOCK)]
+        if not blocks:
+            return None
+        return _head(job.request, completion="text" if isinstance(prompt, str) else "tokens"), blocks
+    return None
+
+
 def prefix_keys(job: AnyJob) -> list[str]:
-    """The job's keys: its first message's, its affinity names', then those of its longer
-    prefixes in order; none for a job without chat messages."""
-    if not isinstance(job, ChatJob) or not job.request.messages:
+    """The job's keys: its first part's (a chat's first message, a completion prompt's first
+    block), its affinity names', then those of its longer prefixes in order; none for a job
+    without chat messages or a prompt."""
+    parts = _parts(job)
+    if parts is None:
         return []
+    chain, pieces = parts
     generate = job.request
-    messages = generate.messages or []
-    head = json.dumps(
-        {
-            "model": generate.model,
-            "tools": [tool.model_dump(mode="json") for tool in generate.tools],
-            "template": generate.chat_template_kwargs,
-            # A LoRA adapter's prompts are cached apart from the base model's (a base job's key stays as it was).
-            **({"adapter": generate.adapter} if generate.adapter is not None else {}),
-        },
-        sort_keys=True,
-        ensure_ascii=False,
-    )
-    chain = _digest("", head)
+    assert isinstance(generate, Generate)
     keys = []
-    for message in messages:
-        chain = _digest(chain, message.model_dump_json())
+    for piece in pieces:
+        chain = _digest(chain, piece)
         keys.append(chain)
     names = job.affinity[: MAX_KEYS // 2]
     named = [AFFINITY_MARK + _digest(json.dumps([generate.model, job.tenant, name]), "affinity") for name in names]

@@ -74,6 +74,23 @@ def test_each_conversations_next_turn_is_claimed_by_the_worker_that_holds_it(two
     assert _matched(two_workers) >= 8
 
 
+def test_a_completion_that_extends_an_earlier_prompt_is_claimed_by_the_worker_that_ran_it(two_workers: Stack) -> None:
+    """A completion prompt that grows (a pipeline's document, a client's own turn format) goes to
+    the worker whose prefix cache holds its earlier form."""
+    for on in (0, 1):
+        prompt = f"Document {on}. " + "Every line of the record is kept. " * 90  # past three key blocks
+        body = {"model": TWO_WORKER_MODEL, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        with two_workers.workers[1 - on].paused():
+            first = _post(two_workers, "/v1/completions", {**body, "prompt": prompt})
+        owner = two_workers.job_owner(first["id"])
+        assert owner == f"{two_workers.key_prefix}-worker{on}"
+        for step in range(2):
+            prompt += first["choices"][0]["text"] + f" Step {step} adds a line."
+            later = _post(two_workers, "/v1/completions", {**body, "prompt": prompt})
+            assert two_workers.job_owner(later["id"]) == owner, f"document {on}, step {step}"
+            assert later["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def test_a_dead_preferred_worker_delays_its_conversation_by_the_window_at_most(two_workers: Stack) -> None:
     messages, owner = _turn_one(two_workers, 7, on=0)
     follow_up = [*messages, {"role": "user", "content": "And then?"}]

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from shared.contract import ChatJob, CompletionJob, Generate, Message, Tool
 from shared.job_lifecycle import Claim, JobLifecycle, NotYet
-from shared.placement import MAX_KEYS, prefix_keys
+from shared.placement import MAX_KEYS, TEXT_BLOCK_CHARS, TOKEN_BLOCK, prefix_keys
 from shared.redis_keys import PLACEMENT_BALANCE_SLACK, WORKER_HEARTBEAT_TTL_S, RedisKeys
 from shared.registry import WorkerInfo, WorkerState
 
@@ -63,8 +63,35 @@ def test_the_keys_cover_what_precedes_the_messages() -> None:
     tool = Tool(name="f", parameters={"type": "object"})
     assert prefix_keys(_chat(messages)) != prefix_keys(_chat(messages, [tool]))
     assert prefix_keys(_chat(messages)) != prefix_keys(_chat(messages, model="other"))
-    completion = CompletionJob(job_id="c", created=0, request=Generate(model=MODEL, prompts=["hi"]))
-    assert prefix_keys(completion) == []
+    assert prefix_keys(_completion([""])) == []
+
+
+def _completion(prompts: list[str] | list[list[int]], adapter: str | None = None) -> CompletionJob:
+    return CompletionJob(job_id="c", created=0, request=Generate(model=MODEL, prompts=prompts, adapter=adapter))
+
+
+@given(st.text(max_size=5000), st.text(min_size=1, max_size=3000))
+def test_a_completion_prompt_that_extends_another_holds_the_keys_of_its_whole_blocks(earlier: str, more: str) -> None:
+    before, after = prefix_keys(_completion([earlier])), prefix_keys(_completion([earlier + more]))
+    whole = len(earlier) // TEXT_BLOCK_CHARS  # the earlier prompt's blocks that the longer one has whole
+    assert len(before) == -(-len(earlier) // TEXT_BLOCK_CHARS)
+    assert before[:whole] == after[:whole]
+    if len(earlier) % TEXT_BLOCK_CHARS:  # its last, partial block is not the longer prompt's
+        assert before[whole] not in after
+    assert prefix_keys(_completion([earlier + more, "another prompt"])) == after  # the first prompt's keys
+
+
+def test_completion_keys_name_the_model_the_adapter_and_the_prompts_kind() -> None:
+    text = "x" * (3 * TEXT_BLOCK_CHARS)
+    keys = prefix_keys(_completion([text]))
+    assert len(keys) == 3
+    assert set(keys).isdisjoint(prefix_keys(_completion([text], adapter="a")))
+    assert prefix_keys(_completion([text], adapter="a"))[1].startswith("~")  # the adapter's key, then the blocks
+    ids = list(range(2 * TOKEN_BLOCK + 1))
+    assert len(prefix_keys(_completion([ids]))) == 3
+    assert prefix_keys(_completion([ids[:TOKEN_BLOCK]]))[0] == prefix_keys(_completion([ids]))[0]
+    chat = prefix_keys(_chat([Message(role="user", content=text)]))
+    assert set(chat).isdisjoint(keys)
 
 
 @given(_messages, st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=3))

@@ -15,9 +15,11 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from shared.adapter_files import AdapterError, Update
+from shared.adapters import AdapterRecord, digest
 from tests.support.adapters import peft_reference, write_peft_adapter
 from tests.support.models import default_model_dir, tiny_random_llama_dir
 from tests.worker.engine_helpers import RunnerSeq, make_seq
+from worker.adapters.cache import AdapterCache
 from worker.adapters.for_model import for_model
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import PrefillChunk
@@ -207,3 +209,30 @@ def test_the_default_model_with_adapters_gives_pefts_logits_and_keeps_its_bits_i
     assert torch.equal(mixed[0][2], alone[0][0]) and torch.equal(mixed[1][2], alone[1][0])
     base_error = (_run(exact_model, [(prompt, None)])[0][0] - expected_base[0]).abs().max()
     assert (alone[0][0] - expected[0]).abs().max() <= 2 * base_error + 1e-3
+
+
+def test_the_adapter_cache_reports_what_it_lets_go_with_the_latest_claim_that_ran_on_it(
+    adapters: dict[str, Path],
+) -> None:
+    """Past ``max_loaded`` the least recently used adapter is let go, reported with the latest claim
+    of a job that ran on it here (the worker then stops saying it holds the adapter ready)."""
+    cache = AdapterCache(_model(torch.float32, exact=False), exact=False, max_loaded=1, max_rank=64)
+    reported: list[list[tuple[str, int]]] = []
+    cache.on_let_go = reported.append
+    records = {}
+    for name, folder in adapters.items():
+        config, weights = _files(folder)
+        records[name] = AdapterRecord(
+            name=name, base="tiny", sha256=digest(config, weights), size=len(config) + len(weights), rank=8,
+            targets=["q_proj"], created=0.0,
+        )  # fmt: skip
+    cache.claimed("all", 1_000)
+    cache.claimed("all", 900)  # an earlier claim that started later keeps the latest
+    cache.make_from_files(records["all"], *_files(adapters["all"]))
+    assert cache.get(records["all"]) is not None and reported == []
+    cache.claimed("qv", 2_000)
+    cache.make_from_files(records["qv"], *_files(adapters["qv"]))
+    assert reported == [[("all", 1_000)]]
+    assert cache.get(records["all"]) is None and cache.get(records["qv"]) is not None
+    cache.make_from_files(records["all"], *_files(adapters["all"]))  # made ready again without a claim
+    assert reported[-1] == [("qv", 2_000)]

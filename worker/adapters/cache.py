@@ -1,12 +1,17 @@
 """The adapters one worker holds ready: read from the files the worker was started with
 (``--lora``) or fetched from Redis on an adapter's first request, at most ``max_loaded`` of them,
 the least recently used let go first. A request running on an adapter keeps it (its engine
-request holds it) even after it is let go here or unloaded from Redis: it finishes as it began."""
+request holds it) even after it is let go here or unloaded from Redis: it finishes as it began.
+
+An adapter let go is reported (``on_let_go``) with the latest claim of a job that ran on it here,
+so that the worker stops saying it holds the adapter ready (``shared.placement.adapter_key``)
+unless a later claim named it again."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +64,14 @@ class AdapterCache:
         self.max_loaded = max_loaded
         self.max_rank = max_rank
         self._ready: OrderedDict[tuple[str, str], LoraModel] = OrderedDict()  # (name, sha256) → adapter
+        self._claimed_ms: dict[str, int] = {}  # name → the latest claim (ms) of a job that ran on it here
         self._lock = threading.Lock()  # the prepare thread adds, the event loop looks up
+        self.on_let_go: Callable[[list[tuple[str, int]]], None] | None = None  # names let go, each with its claim
+
+    def claimed(self, name: str, claimed_ms: int) -> None:
+        """A job claimed at ``claimed_ms`` runs on adapter ``name`` here."""
+        with self._lock:
+            self._claimed_ms[name] = max(self._claimed_ms.get(name, 0), claimed_ms)
 
     def get(self, record: AdapterRecord) -> LoraModel | None:
         with self._lock:
@@ -71,12 +83,16 @@ class AdapterCache:
     def make(self, name: str, sha256: str, adapter: PeftAdapter) -> LoraModel:
         """Check ``adapter`` against the model and make it ready (``AdapterError`` where it does not fit)."""
         ready = for_model(self._model, name, sha256, adapter, self.max_rank, self._exact)
+        let_go: list[tuple[str, int]] = []
         with self._lock:
             for key in [key for key in self._ready if key[0] == name]:
                 del self._ready[key]  # an older version of the name
             self._ready[(name, sha256)] = ready
             while len(self._ready) > self.max_loaded:
-                self._ready.popitem(last=False)
+                (gone, _), _ = self._ready.popitem(last=False)
+                let_go.append((gone, self._claimed_ms.pop(gone, 0)))
+        if let_go and self.on_let_go is not None:
+            self.on_let_go(let_go)
         return ready
 
     def make_from_files(self, record: AdapterRecord, config: bytes, weights: bytes) -> LoraModel:

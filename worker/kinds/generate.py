@@ -18,7 +18,7 @@ from shared.adapters import NAME
 from shared.contract import AnyJob, ChatJob, CompletionJob, TokenizeJob
 from shared.errors import ErrorKind, RelayError
 from shared.events import AnyEvent, DeltaEvent, EndEvent, UsageCounts
-from shared.placement import follows_cache
+from shared.placement import adapter_key, follows_cache
 from shared.registry import WorkerInfo, WorkerTask
 from worker.adapters.cache import AdapterCache, LocalAdapter, parse_lora_flag, read_local
 from worker.engine.builder import EngineConfig, build_engine, default_max_num_batched_tokens
@@ -112,6 +112,7 @@ class GenerationHandler:
         if record.base != self.model_id:
             message = f"The adapter `{name}` adapts `{record.base}`, not `{self.model_id}`."
             raise RelayError(ErrorKind.INVALID_REQUEST, message, "model")
+        self.adapters.claimed(name, inputs.claim.claimed_ms)
         ready = self.adapters.get(record)
         if ready is not None:
             return ready
@@ -253,6 +254,11 @@ class GenerateKind:
 
         def follow_released_keys(released: KeysReleased) -> None:
             engine.on_keys_released = released
+            if self._adapters is not None:  # an adapter let go is no longer held ready here
+                model_id = self.settings.model_id
+                self._adapters.on_let_go = lambda gone: released(
+                    [(adapter_key(model_id, name), claimed_ms) for name, claimed_ms in gone]
+                )
 
         info.speculative = "ngram" if engine.drafter is not None else "off"
         if self._adapters is not None:
