@@ -1,13 +1,13 @@
 """What a long prompt costs on the exact kernels, where attention grows with the prompt's square:
 the attention kernel alone on SmolLM2-135M's and Qwen2.5-0.5B's head shapes, a prefill chunk of
-256 queries (a CPU step's) at the end of a 2k, 8k and 16k-token context, on each code path this CPU
-runs
-(AVX512-VNNI where it has it, AVX2, the portable C++; all three give the same bits); then the
-default model's time to first token, in this process, for prompts of 1k, 4k and 7.5k tokens.
+256 queries (a CPU step's) and a decode step's one query at the end of a 2k, 8k and 16k-token
+context, on each code path this CPU runs (AVX512-VNNI where it has it, AVX2, the portable C++;
+all three give the same bits); then the default model's time to first token, in this process,
+for prompts of 1k, 4k and 7.5k tokens.
 
     python -m bench.long_prompt
 
-Prints two tables; writes bench/results/long_prompt.json.
+Prints three tables; writes bench/results/long_prompt.json.
 """
 
 from __future__ import annotations
@@ -45,13 +45,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def kernel_ms(shape: tuple[int, int, int], context: int, path: str, runs: int) -> float:
+def kernel_ms(shape: tuple[int, int, int], context: int, queries: int, path: str, runs: int) -> float:
     heads, kv_heads, dim = shape
     generator = torch.Generator().manual_seed(context)
-    query = torch.randn(1, heads, CHUNK, dim, generator=generator).bfloat16()
+    query = torch.randn(1, heads, queries, dim, generator=generator).bfloat16()
     key = torch.randn(1, kv_heads, context, dim, generator=generator).bfloat16()
     value = torch.randn(1, kv_heads, context, dim, generator=generator).bfloat16()
-    positions = torch.arange(context - CHUNK, context)[None, :]
+    positions = torch.arange(context - queries, context)[None, :]
     options = {"avx512": {}, "avx2": {"scalar": True}, "portable": {"portable": True}}[path]
     exact.attention(query, key, value, positions, dim**-0.5, **options)
     times = []
@@ -62,13 +62,20 @@ def kernel_ms(shape: tuple[int, int, int], context: int, path: str, runs: int) -
     return round(1000 * statistics.median(times), 2)
 
 
-def kernel_table(runs: int) -> dict[str, Any]:
+def kernel_table(runs: int, queries: int) -> dict[str, Any]:
+    """Each head shape and context, each path: ``queries`` at the end of the context (a prefill
+    chunk, or a decode step's one); the portable code's prefill only at the shortest context."""
     paths = (["avx512"] if exact.has_vector_path() else []) + ["avx2", "portable"]
     table: dict[str, Any] = {}
-    print(f"| heads | context | {' | '.join(f'{p} ms' for p in paths)} |\n|---|---:|{'---:|' * len(paths)}")
+    print(f"\n{queries} queries\n| heads | context | {' | '.join(f'{p} ms' for p in paths)} |")
+    print(f"|---|---:|{'---:|' * len(paths)}")
     for name, shape in HEADS.items():
         for context in CONTEXTS:
-            row = {p: kernel_ms(shape, context, p, runs) for p in paths if p != "portable" or context <= PORTABLE_UP_TO}
+            row = {
+                p: kernel_ms(shape, context, queries, p, runs)
+                for p in paths
+                if p != "portable" or queries == 1 or context <= PORTABLE_UP_TO
+            }
             table[f"{name}@{context}"] = row
             print(f"| {name} | {context} | {' | '.join(str(row.get(p, '-')) for p in paths)} |", flush=True)
     return table
@@ -113,7 +120,8 @@ def ttft_table(runs: int) -> dict[str, float]:
 def main() -> None:
     args = parse_args()
     report = {"machine": machine(), "threads": torch.get_num_threads(), "chunk_queries": CHUNK}
-    report["attention_ms"] = kernel_table(args.runs)
+    report["attention_ms"] = kernel_table(args.runs, CHUNK)
+    report["decode_attention_ms"] = kernel_table(max(args.runs, 20), 1)
     report["ttft_s"] = ttft_table(args.runs)
     write_result(args.out, report)
 

@@ -334,6 +334,21 @@ def test_a_long_prompts_attention_agrees_across_paths_and_reads_the_cache_as_eac
         assert not torch.equal(again, out)
 
 
+@pytest.mark.parametrize(("group", "dim"), [(1, 64), (3, 64), (4, 64), (2, 128), (1, 128), (3, 128), (2, 48)])
+def test_a_decode_steps_attention_over_a_long_context_agrees_across_paths(group: int, dim: int) -> None:
+    """One query per row and kv head group over thousands of keys (the decode step's shape, keys in
+    the lanes and several queries' sums in one pass): every path gives the bits of the portable code."""
+    generator = torch.Generator().manual_seed(group * 1000 + dim)
+    rows, kv_heads, keys = 2, 2, 1500
+    query = torch.randn(rows, kv_heads * group, 1, dim, generator=generator).to(torch.bfloat16)
+    key = torch.randn(rows, kv_heads, keys, dim, generator=generator).to(torch.bfloat16) * 2
+    value = torch.randn(rows, kv_heads, keys, dim, generator=generator).to(torch.bfloat16)
+    positions = torch.tensor([[keys - 1], [700]])
+    portable = exact.attention(query, key, value, positions, dim**-0.5, portable=True)
+    assert torch.equal(exact.attention(query, key, value, positions, dim**-0.5), portable)
+    assert torch.equal(exact.attention(query, key, value, positions, dim**-0.5, scalar=True), portable)
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 6),

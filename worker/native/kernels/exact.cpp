@@ -1012,6 +1012,17 @@ struct KvCopy {
   std::vector<float> k, v;
 };
 
+// One key's or value's `dim` elements as float32 (a bf16 is the top half of its float32: exact).
+PORTABLE_CLONES static void widen_row(const char* base, int64_t offset, int64_t dim, bool bf16, float* out) {
+  if (bf16) {
+    const uint16_t* in = reinterpret_cast<const uint16_t*>(base) + offset;
+    uint32_t* bits = reinterpret_cast<uint32_t*>(out);
+    for (int64_t d = 0; d < dim; ++d) bits[d] = static_cast<uint32_t>(in[d]) << 16;
+  } else {
+    std::memcpy(out, reinterpret_cast<const float*>(base) + offset, dim * sizeof(float));
+  }
+}
+
 static void copy_kv_row(const AttnArgs& a, int64_t row, int64_t kvh, int64_t keys, int64_t padded, KvCopy& copy) {
   const int64_t dim = a.dim;
   if (copy.call != a.call || copy.row != row || copy.kvh != kvh) {
@@ -1024,10 +1035,8 @@ static void copy_kv_row(const AttnArgs& a, int64_t row, int64_t kvh, int64_t key
   if (static_cast<int64_t>(copy.v.size()) < padded * dim) copy.v.resize(padded * dim);
   for (int64_t j = copy.keys; j < keys; ++j) {
     const int64_t ko = row * a.k_row + kvh * a.k_head + j * a.k_pos, vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
-    float* kd = copy.k.data() + j * dim;
-    float* vd = copy.v.data() + j * dim;
-    for (int64_t d = 0; d < dim; ++d) kd[d] = elem(a.k, ko + d, a.bf16);
-    for (int64_t d = 0; d < dim; ++d) vd[d] = elem(a.v, vo + d, a.bf16);
+    widen_row(a.k, ko, dim, a.bf16, copy.k.data() + j * dim);
+    widen_row(a.v, vo, dim, a.bf16, copy.v.data() + j * dim);
   }
   copy.keys = std::max(copy.keys, keys);
   // Keys past `keys` are scored but never seen (the lanes' masks): zeros keep them finite.
@@ -1155,59 +1164,128 @@ AVX512_TARGET static inline void transpose16(__m512* r) {
 }
 
 // A few queries of one kv head (a decode step's), keys sixteen at a time in the lanes: the
-// same operations per (query, key) as attend_scalar, on keys transposed in registers.
+// same operations per (query, key) as attend_scalar, on keys transposed in registers. Four
+// blocks of sixteen keys are scored at once, and the queries' weighted values are summed in one
+// pass over the keys (each value read once for all of them), so that several chains of
+// dependent multiply-adds are in flight; each chain still runs in its own order.
+constexpr int kFewBlocks = 4;
+
+template <int C, int CH>
+AVX512_TARGET static inline void weigh_values_few_avx512(const AttnArgs& a, int64_t row, int64_t kvh,
+                                                         const float* p, int64_t width, const int64_t* last,
+                                                         float* l, __m512* o) {
+  // Query c's sum runs over its keys 0..last[c] in order; a key past it adds nothing to c.
+  int64_t last_max = 0;
+  for (int c = 0; c < C; ++c) last_max = last[c] > last_max ? last[c] : last_max;
+  __m512 acc[C][CH];
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < CH; ++i) acc[c][i] = _mm512_setzero_ps();
+  float sum[C];
+  for (int c = 0; c < C; ++c) sum[c] = 0.0f;
+  for (int64_t j = 0; j <= last_max; ++j) {
+    const int64_t vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
+    __m512 v[CH];
+    for (int i = 0; i < CH; ++i) v[i] = v_load_as_float(a.v, vo + i * kLanes, a.bf16, 0xFFFF);
+    for (int c = 0; c < C; ++c) {
+      if (j > last[c]) continue;
+      const float pj = p[c * width + j];
+      sum[c] = sum[c] + pj;
+      const __m512 pv = _mm512_set1_ps(pj);
+      for (int i = 0; i < CH; ++i) acc[c][i] = _mm512_fmadd_ps(pv, v[i], acc[c][i]);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    l[c] = sum[c];
+    for (int i = 0; i < CH; ++i) o[c * CH + i] = acc[c][i];
+  }
+}
+
 AVX512_TARGET static void attend_few_avx512(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
                                             const int64_t* lane_t, int count) {
   const int64_t dim = a.dim;
   int64_t last[kLanes], last_max = 0;
-  std::vector<float> q(count * dim);
+  thread_local std::vector<float> q, scores, p, kt;
+  if (static_cast<int64_t>(q.size()) < count * dim) q.resize(count * dim);
   for (int c = 0; c < count; ++c) {
     int64_t qo = row * a.q_row + lane_head[c] * a.q_head + lane_t[c] * a.q_pos;
     for (int64_t d = 0; d < dim; ++d) q[c * dim + d] = elem(a.q, qo + d, a.bf16);
     last[c] = query_position(a, row, lane_t[c]);
     last_max = last[c] > last_max ? last[c] : last_max;
   }
-  const int64_t width = (last_max + kLanes) / kLanes * kLanes;
-  std::vector<float> scores(count * width), kt(dim * kLanes);
+  constexpr int64_t kSpan = kFewBlocks * kLanes;  // keys scored per pass
+  const int64_t width = (last_max + kSpan) / kSpan * kSpan;
+  if (static_cast<int64_t>(scores.size()) < count * width) scores.resize(count * width);
+  if (static_cast<int64_t>(p.size()) < count * width) p.resize(count * width);
+  if (static_cast<int64_t>(kt.size()) < kFewBlocks * dim * kLanes) kt.resize(kFewBlocks * dim * kLanes);
   const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t j0 = 0; j0 <= last_max; j0 += kLanes) {
-    int64_t n = last_max + 1 - j0 < kLanes ? last_max + 1 - j0 : kLanes;
-    for (int64_t dc = 0; dc < dim; dc += kLanes) {
-      __m512 block[kLanes];
-      for (int i = 0; i < kLanes; ++i)
-        block[i] = i < n ? v_load_as_float(a.k, row * a.k_row + kvh * a.k_head + (j0 + i) * a.k_pos + dc, a.bf16, 0xFFFF)
-                         : _mm512_setzero_ps();
-      transpose16(block);
-      for (int i = 0; i < kLanes; ++i) _mm512_storeu_ps(kt.data() + (dc + i) * kLanes, block[i]);
+  for (int64_t j0 = 0; j0 <= last_max; j0 += kSpan) {
+    for (int b = 0; b < kFewBlocks; ++b) {  // kt[b][d][lane]: block b's keys, transposed
+      const int64_t jb = j0 + b * kLanes;
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kLanes, last_max + 1 - jb));
+      for (int64_t dc = 0; dc < dim; dc += kLanes) {
+        __m512 block[kLanes];
+        for (int i = 0; i < kLanes; ++i)
+          block[i] = i < n ? v_load_as_float(a.k, row * a.k_row + kvh * a.k_head + (jb + i) * a.k_pos + dc, a.bf16, 0xFFFF)
+                           : _mm512_setzero_ps();
+        transpose16(block);
+        for (int i = 0; i < kLanes; ++i) _mm512_storeu_ps(kt.data() + (b * dim + dc + i) * kLanes, block[i]);
+      }
     }
     for (int c = 0; c < count; ++c) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < dim; ++d)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(q[c * dim + d]), _mm512_loadu_ps(kt.data() + d * kLanes), acc);
-      _mm512_storeu_ps(scores.data() + c * width + j0, _mm512_mul_ps(acc, scale));
+      __m512 acc[kFewBlocks];
+      for (int b = 0; b < kFewBlocks; ++b) acc[b] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; ++d) {
+        const __m512 qd = _mm512_set1_ps(q[c * dim + d]);
+        for (int b = 0; b < kFewBlocks; ++b)
+          acc[b] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kt.data() + (b * dim + d) * kLanes), acc[b]);
+      }
+      for (int b = 0; b < kFewBlocks; ++b)
+        _mm512_storeu_ps(scores.data() + c * width + j0 + b * kLanes, _mm512_mul_ps(acc[b], scale));
     }
   }
-  std::vector<float> p(width);
-  __m512 o[16];
-  const int64_t chunks = dim / kLanes;
+  // Each query's maximum over its keys (any order gives the same maximum; a NaN score is passed
+  // over, as std::fmax does), then its weights.
+  float m[kLanes];
   for (int c = 0; c < count; ++c) {
     const float* s = scores.data() + c * width;
-    float m = -INFINITY;
-    for (int64_t j = 0; j <= last[c]; ++j) m = std::fmax(m, s[j]);
-    for (int64_t j = 0; j <= last[c]; j += kLanes)
-      _mm512_storeu_ps(p.data() + j, v_exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(m))));
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + kLanes <= last[c] + 1; j += kLanes) mv = _mm512_max_ps(_mm512_loadu_ps(s + j), mv);
+    if (j <= last[c]) mv = _mm512_mask_max_ps(mv, tail_mask(last[c] + 1 - j), _mm512_loadu_ps(s + j), mv);
+    m[c] = _mm512_reduce_max_ps(mv);
+    for (int64_t k = 0; k <= last[c]; k += kLanes)
+      _mm512_storeu_ps(p.data() + c * width + k, v_exp_fixed(_mm512_sub_ps(_mm512_loadu_ps(s + k), _mm512_set1_ps(m[c]))));
+  }
+  const int64_t chunks = dim / kLanes;
+  float l[kLanes];
+  __m512 o[16];
+  auto finish = [&](int c, const __m512* oc) AVX512_TARGET {
+    int64_t oo = ((row * a.queries + lane_t[c]) * a.heads + lane_head[c]) * dim;
+    for (int64_t i = 0; i < chunks; ++i)
+      v_store_from_float(a.out, oo + i * kLanes, _mm512_div_ps(oc[i], _mm512_set1_ps(l[c])), a.bf16, 0xFFFF);
+  };
+#define RELAYLM_FEW(C, CH)                                                                    \
+  if (count == C && chunks == CH) {                                                           \
+    weigh_values_few_avx512<C, CH>(a, row, kvh, p.data(), width, last, l, o);                 \
+    for (int c = 0; c < C; ++c) finish(c, o + c * CH);                                        \
+    return;                                                                                   \
+  }
+  RELAYLM_FEW(1, 4) RELAYLM_FEW(2, 4) RELAYLM_FEW(3, 4) RELAYLM_FEW(4, 4)
+  RELAYLM_FEW(1, 8) RELAYLM_FEW(2, 8)
+#undef RELAYLM_FEW
+  for (int c = 0; c < count; ++c) {  // other shapes: one query at a time
+    const float* pc = p.data() + c * width;
     for (int64_t i = 0; i < chunks; ++i) o[i] = _mm512_setzero_ps();
-    float l = 0.0f;
+    float sum = 0.0f;
     for (int64_t j = 0; j <= last[c]; ++j) {
-      l = l + p[j];
-      __m512 pj = _mm512_set1_ps(p[j]);
+      sum = sum + pc[j];
+      __m512 pj = _mm512_set1_ps(pc[j]);
       int64_t vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
       for (int64_t i = 0; i < chunks; ++i)
         o[i] = _mm512_fmadd_ps(pj, v_load_as_float(a.v, vo + i * kLanes, a.bf16, 0xFFFF), o[i]);
     }
-    int64_t oo = ((row * a.queries + lane_t[c]) * a.heads + lane_head[c]) * dim;
-    for (int64_t i = 0; i < chunks; ++i)
-      v_store_from_float(a.out, oo + i * kLanes, _mm512_div_ps(o[i], _mm512_set1_ps(l)), a.bf16, 0xFFFF);
+    l[c] = sum;
+    finish(c, o);
   }
 }
 #endif
