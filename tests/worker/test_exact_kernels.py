@@ -334,7 +334,9 @@ def test_a_long_prompts_attention_agrees_across_paths_and_reads_the_cache_as_eac
         assert not torch.equal(again, out)
 
 
-@pytest.mark.parametrize(("group", "dim"), [(1, 64), (3, 64), (4, 64), (2, 128), (1, 128), (3, 128), (2, 48)])
+@pytest.mark.parametrize(
+    ("group", "dim"), [(1, 64), (3, 64), (4, 64), (7, 64), (8, 64), (2, 128), (1, 128), (3, 128), (5, 128), (2, 48)]
+)
 def test_a_decode_steps_attention_over_a_long_context_agrees_across_paths(group: int, dim: int) -> None:
     """One query per row and kv head group over thousands of keys (the decode step's shape, keys in
     the lanes and several queries' sums in one pass): every path gives the bits of the portable code."""

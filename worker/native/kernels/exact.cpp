@@ -1163,11 +1163,11 @@ AVX512_TARGET static inline void transpose16(__m512* r) {
   }
 }
 
-// A few queries of one kv head (a decode step's), keys sixteen at a time in the lanes: the
-// same operations per (query, key) as attend_scalar, on keys transposed in registers. Four
-// blocks of sixteen keys are scored at once, and the queries' weighted values are summed in one
-// pass over the keys (each value read once for all of them), so that several chains of
-// dependent multiply-adds are in flight; each chain still runs in its own order.
+// A few queries of one kv head (a decode step's, up to eight), keys sixteen at a time in the
+// lanes: the same operations per (query, key) as attend_scalar, on keys transposed in registers.
+// Four blocks of sixteen keys are scored at once, and up to four queries' weighted values are
+// summed in one pass over the keys (each value read once for them all), so that several chains
+// of dependent multiply-adds are in flight; each chain still runs in its own order.
 constexpr int kFewBlocks = 4;
 
 template <int C, int CH>
@@ -1264,28 +1264,32 @@ AVX512_TARGET static void attend_few_avx512(const AttnArgs& a, int64_t row, int6
     for (int64_t i = 0; i < chunks; ++i)
       v_store_from_float(a.out, oo + i * kLanes, _mm512_div_ps(oc[i], _mm512_set1_ps(l[c])), a.bf16, 0xFFFF);
   };
-#define RELAYLM_FEW(C, CH)                                                                    \
-  if (count == C && chunks == CH) {                                                           \
-    weigh_values_few_avx512<C, CH>(a, row, kvh, p.data(), width, last, l, o);                 \
-    for (int c = 0; c < C; ++c) finish(c, o + c * CH);                                        \
-    return;                                                                                   \
-  }
-  RELAYLM_FEW(1, 4) RELAYLM_FEW(2, 4) RELAYLM_FEW(3, 4) RELAYLM_FEW(4, 4)
-  RELAYLM_FEW(1, 8) RELAYLM_FEW(2, 8)
-#undef RELAYLM_FEW
-  for (int c = 0; c < count; ++c) {  // other shapes: one query at a time
-    const float* pc = p.data() + c * width;
-    for (int64_t i = 0; i < chunks; ++i) o[i] = _mm512_setzero_ps();
-    float sum = 0.0f;
-    for (int64_t j = 0; j <= last[c]; ++j) {
-      sum = sum + pc[j];
-      __m512 pj = _mm512_set1_ps(pc[j]);
-      int64_t vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
-      for (int64_t i = 0; i < chunks; ++i)
-        o[i] = _mm512_fmadd_ps(pj, v_load_as_float(a.v, vo + i * kLanes, a.bf16, 0xFFFF), o[i]);
+  // The weighted values four queries at a time (one pass over the values each).
+  for (int g = 0; g < count; g += 4) {
+    const int group = std::min(4, count - g);
+#define RELAYLM_FEW(C, CH)                                                                       \
+    if (group == C && chunks == CH) {                                                            \
+      weigh_values_few_avx512<C, CH>(a, row, kvh, p.data() + g * width, width, last + g, l + g, o); \
+      for (int c = 0; c < C; ++c) finish(g + c, o + c * CH);                                     \
+      continue;                                                                                  \
     }
-    l[c] = sum;
-    finish(c, o);
+    RELAYLM_FEW(1, 4) RELAYLM_FEW(2, 4) RELAYLM_FEW(3, 4) RELAYLM_FEW(4, 4)
+    RELAYLM_FEW(1, 8) RELAYLM_FEW(2, 8)
+#undef RELAYLM_FEW
+    for (int c = g; c < g + group; ++c) {  // other shapes: one query at a time
+      const float* pc = p.data() + c * width;
+      for (int64_t i = 0; i < chunks; ++i) o[i] = _mm512_setzero_ps();
+      float sum = 0.0f;
+      for (int64_t j = 0; j <= last[c]; ++j) {
+        sum = sum + pc[j];
+        __m512 pj = _mm512_set1_ps(pc[j]);
+        int64_t vo = row * a.v_row + kvh * a.v_head + j * a.v_pos;
+        for (int64_t i = 0; i < chunks; ++i)
+          o[i] = _mm512_fmadd_ps(pj, v_load_as_float(a.v, vo + i * kLanes, a.bf16, 0xFFFF), o[i]);
+      }
+      l[c] = sum;
+      finish(c, o);
+    }
   }
 }
 #endif
@@ -1450,7 +1454,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         lane_head[count] = kvh * group + i % group;
       }
 #ifdef RELAYLM_X86
-      if (vec && count <= 4 && dim % kLanes == 0 && dim <= 256) {
+      if (vec && count <= 8 && dim % kLanes == 0 && dim <= 256) {
         attend_few_avx512(a, row, kvh, lane_head, lane_t, count);
         continue;
       }
