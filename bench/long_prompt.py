@@ -23,7 +23,7 @@ import torch
 from bench.in_process import InProcessEngine
 from bench.result_file import machine, write_result
 from bench.serving_bench import bodies_for
-from bench.workload import chat_prompt_ids
+from bench.workload import fit_words
 from worker.engine.builder import EngineConfig, default_max_num_batched_tokens
 from worker.models.loader import load_model
 from worker.native import exact
@@ -84,15 +84,7 @@ def kernel_table(runs: int, queries: int) -> dict[str, Any]:
 def long_text(tokenizer: Any, seed: int, num_tokens: int) -> str:
     """A user message of distinct numbered words whose templated prompt is ``num_tokens`` long (or
     as close as words allow): no two prompts share more than their template's first tokens."""
-    words = [f"s{seed}w{i}" for i in range(num_tokens)]
-    low, high = 1, len(words)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if len(chat_prompt_ids(tokenizer, [{"role": "user", "content": " ".join(words[:middle])}])) <= num_tokens:
-            low = middle
-        else:
-            high = middle - 1
-    return " ".join(words[:low])
+    return fit_words(tokenizer, [f"s{seed}w{i}" for i in range(num_tokens)], num_tokens)
 
 
 def ttft_table(runs: int) -> dict[str, float]:

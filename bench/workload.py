@@ -13,17 +13,24 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def user_text_for_length(tokenizer: PreTrainedTokenizerBase, index: int, num_tokens: int) -> str:
-    """A user message whose templated prompt is exactly ``num_tokens`` long (or as close as words allow)."""
-    words = f"Request {index}: {(_FILLER + ' ') * 64}".split()
+def fit_words(tokenizer: PreTrainedTokenizerBase, words: list[str], num_tokens: int) -> str:
+    """The longest prefix of ``words`` whose templated prompt (one user message) is at most
+    ``num_tokens`` long."""
     low, high = 1, len(words)
-    while low < high:  # the longest word prefix that fits
+    while low < high:
         middle = (low + high + 1) // 2
         if len(chat_prompt_ids(tokenizer, [{"role": "user", "content": " ".join(words[:middle])}])) <= num_tokens:
             low = middle
         else:
             high = middle - 1
     return " ".join(words[:low])
+
+
+def user_text_for_length(tokenizer: PreTrainedTokenizerBase, index: int, num_tokens: int) -> str:
+    """A user message whose templated prompt is exactly ``num_tokens`` long (or as close as words
+    allow): the filler repeated past the length (every word is at least one token)."""
+    filler = _FILLER.split()
+    return fit_words(tokenizer, [f"Request {index}:", *filler * (num_tokens // len(filler) + 1)], num_tokens)
 
 
 def distinct_prompts(tokenizer: PreTrainedTokenizerBase, count: int, num_tokens: int) -> list[str]:
