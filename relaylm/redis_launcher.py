@@ -64,8 +64,10 @@ def find_redis_server() -> str | None:
             candidates.append(str(bundled))
     versions = {binary: redis_server_version(binary) for binary in candidates}
     runnable = [binary for binary in candidates if versions[binary] is not None]
+    if not runnable:  # none says its version (a wrapper script?): the first found, as PATH orders them
+        return candidates[0] if candidates else None
     # The first of the newest: PATH's order decides between equal versions.
-    return max(runnable, key=lambda binary: versions[binary] or (), default=None)
+    return max(runnable, key=lambda binary: versions[binary] or ())
 
 
 def redis_server_version(binary: str) -> tuple[int, ...] | None:

