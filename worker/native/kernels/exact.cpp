@@ -1004,8 +1004,8 @@ PORTABLE_CLONES static void attend_scalar(const AttnArgs& a, int64_t row, int64_
 
 // One (row, kv head)'s keys and values in fp32, [key][dim], for the vector code. A thread's items
 // are consecutive (row, kv head, chunk) numbers, so it converts each (row, kv head) once per call,
-// and only the keys its later items see beyond its earlier ones; a copy per item read and wrote
-// the whole cache again for every 16 queries of a long prompt. Padded with zeros to `padded` keys.
+// and only the keys its later items see beyond its earlier ones (a copy per item would read and
+// write the whole cache again for every 16 queries of a long prompt). Padded to `padded` keys.
 struct KvCopy {
   uint64_t call = 0;
   int64_t row = -1, kvh = -1, keys = 0;
@@ -1039,8 +1039,7 @@ static void copy_kv_row(const AttnArgs& a, int64_t row, int64_t kvh, int64_t key
     widen_row(a.v, vo, dim, a.bf16, copy.v.data() + j * dim);
   }
   copy.keys = std::max(copy.keys, keys);
-  // Keys past `keys` are scored but never seen (the lanes' masks): zeros keep them finite.
-  if (copy.keys == keys) std::fill(copy.k.begin() + keys * dim, copy.k.begin() + padded * dim, 0.0f);
+  // Keys past `keys` are scored but their scores are never read (the loops after stop at `keys`).
 }
 
 static std::atomic<uint64_t> attention_calls{0};
