@@ -23,7 +23,7 @@ from shared.redis_keys import RedisKeys
 from shared.registry import WorkerInfo
 
 # A worker's start includes its deterministic self-test: ~4 s for the default model on the exact
-# kernels' AVX-512 VNNI code, ~35 s on 2 cores of an AVX2-only CPU (the portable code), more under load.
+# kernels' AVX-512 VNNI code, ~32 s on 2 cores of an AVX2-only CPU (their AVX2 code), more under load.
 START_TIMEOUT_S = 300.0
 # How long a test waits for something the stack does on its own (a heartbeat, a requeue, a log
 # line): generous, since waiting ends as soon as it happens, and a loaded host is slow.

@@ -1,7 +1,8 @@
 """The exact kernels (``worker/native/exact.py``): a row's bits are a function of that row, by
 construction. Checked here as properties over random shapes, rows, slices and thread counts:
 
-- the vector (AVX512-VNNI) code and the portable code give the same bits;
+- the vector (AVX512-VNNI, AVX2) code and the portable code give the same bits, and so do a
+  GGUF's Q4_K scales kept factored and their products;
 - the quantized matmul equals a plain-torch statement of its definition (int8 activations per
   block of 32, integer group sums, the float epilogue in group order), bit for bit;
 - a row (a query) gets the same bits alone, in any slice of a batch, and at 1 or 2 threads.
@@ -111,7 +112,54 @@ def test_the_matmul_is_its_definition_in_vector_and_portable_code(
     expected = reference_matmul(x, weight, bias)
     expected = expected if residual is None else residual + expected
     assert torch.equal(exact.matmul(x, weight, bias, residual=residual, scalar=True), expected)
+    assert torch.equal(exact.matmul(x, weight, bias, residual=residual, portable=True), expected)
     assert torch.equal(exact.matmul(x, weight, bias, residual=residual), expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    out_features=st.integers(1, 40),
+    supers=st.integers(1, 3),
+    rows=st.integers(1, 9),
+    prologue=st.sampled_from([exact.PROLOGUE_NONE, exact.PROLOGUE_RMS_NORM]),
+    bf16=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_factored_4_bit_scales_give_the_bits_of_their_products(
+    out_features: int, supers: int, rows: int, prologue: int, bf16: bool, seed: int
+) -> None:
+    """A Q4_K weight kept as its file factors it (per 256 inputs a float16 number, per group of 32
+    an integer below 64, for the scale and for the min) gives the bits of the same weight with
+    every group's scale and min stored as their float32 products, on every code path, in a fifth
+    fewer bytes."""
+    generator = torch.Generator().manual_seed(seed)
+    in_features, groups = supers * 256, supers * 8
+    values = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    d = (torch.rand(out_features, supers, generator=generator) * 0.01).half().float()
+    neg_dmin = -(torch.rand(out_features, supers, generator=generator) * 0.01).half().float()
+    sc = torch.randint(0, 64, (out_features, groups), generator=generator, dtype=torch.uint8)
+    m = torch.randint(0, 64, (out_features, groups), generator=generator, dtype=torch.uint8)
+    factored = exact.pack_int4_factored(values, d, sc, neg_dmin, m)
+    products = exact.pack_int4(
+        values, d.repeat_interleave(8, dim=1) * sc.float(), neg_dmin.repeat_interleave(8, dim=1) * m.float()
+    )
+    assert torch.equal(exact.unpack(factored), exact.unpack(products))
+    assert factored.nbytes <= 0.8 * products.nbytes  # 4.75 bits a weight against 6
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    x = (torch.randn(rows, in_features, generator=generator) * 2).to(dtype)
+    norm = (torch.rand(in_features, generator=generator) + 0.5).to(dtype)
+    options = {"prologue": prologue, "norm_weight": norm if prologue == exact.PROLOGUE_RMS_NORM else None, "eps": 1e-5}
+    expected = exact.matmul(x, products, **options)  # type: ignore[arg-type]
+    for path in ({}, {"scalar": True}, {"portable": True}):
+        assert torch.equal(exact.matmul(x, factored, **options, **path), expected)  # type: ignore[arg-type]
+        assert torch.equal(exact.matmul(x, products, **options, **path), expected)  # type: ignore[arg-type]
+
+
+def test_factored_scales_need_whole_super_blocks() -> None:
+    values = torch.zeros(16, 288, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        exact.pack_int4_factored(values, torch.ones(16, 1), torch.ones(16, 9, dtype=torch.uint8),
+                                 torch.ones(16, 1), torch.ones(16, 9, dtype=torch.uint8))  # fmt: skip
 
 
 @pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
@@ -220,8 +268,9 @@ def test_lora_updates_give_each_row_its_own_adapters_bits_alone(
         with threads(count):
             again = exact.matmul(x, base, lora=exact.LoraRows(factors, group), **options)  # type: ignore[arg-type]
             assert torch.equal(again, out)
-    portable = exact.matmul(x, base, lora=exact.LoraRows(factors, group), scalar=True, **options)  # type: ignore[arg-type]
-    assert torch.equal(portable, out)
+    for path in ({"scalar": True}, {"portable": True}):
+        other = exact.matmul(x, base, lora=exact.LoraRows(factors, group), **path, **options)  # type: ignore[arg-type]
+        assert torch.equal(other, out)
     plain = {key: value for key, value in options.items() if key != "residual"}
     for row, g in enumerate(groups):
         if g < 0:

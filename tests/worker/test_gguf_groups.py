@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from tests.worker.test_native_decoder import FAMILIES, _save
 from worker.models.loader import load_model
+from worker.native import exact as exact_kernels
 from worker.native.decoder import JoinedLinear, Linear, NativeCausalLM
 from worker.native.gguf_groups import (
     GROUPS_FILE,
@@ -55,6 +56,32 @@ def test_groups_reproduce_gguf_dequantization_bit_for_bit(type_name: str, rows: 
     assert int(groups.values.max()) <= 15 and groups.values.dtype == torch.uint8
     reference = dequantize(blocks.reshape(rows, -1), GGMLQuantizationType[type_name]).reshape(rows, width)
     assert torch.equal(groups.dequantize(), torch.from_numpy(reference))
+
+
+def test_q4_k_groups_keep_the_files_factors_through_joins_reordering_and_the_disk(tmp_path: Path) -> None:
+    """A Q4_K weight's scales and mins are products of the file's factors, exactly; the factors
+    follow a join, a row permutation and a save and load; packed, they are the kernels' factored
+    scales, whose weights are the file's."""
+    rows, width = 5, 512
+    blocks = _random_blocks("Q4_K", rows * width // 256, seed=3)
+    groups = read_groups(blocks.reshape(rows, -1), "Q4_K", (rows, width))
+    assert groups is not None and groups.factors is not None
+    factors = groups.factors
+    assert torch.equal(factors.d.repeat_interleave(8, dim=1) * factors.sc.float(), groups.group_scale)
+    assert torch.equal(factors.neg_dmin.repeat_interleave(8, dim=1) * factors.m.float(), groups.group_min)
+    order = torch.tensor([4, 0, 3, 1, 2])
+    joined = Int4Groups.joined([groups, groups.permute_rows(order)])
+    assert joined.factors is not None and torch.equal(joined.factors.sc[5:], factors.sc[order])
+    plain = Int4Groups(groups.values, groups.group_scale, groups.group_min)
+    assert Int4Groups.joined([groups, plain]).factors is None  # a join keeps factors only where all parts have them
+    save_groups({"w": joined}, tmp_path / GROUPS_FILE)
+    loaded = load_groups(tmp_path)["w"]
+    assert loaded.factors is not None
+    fields = ("d", "sc", "neg_dmin", "m")
+    assert all(torch.equal(getattr(loaded.factors, f), getattr(joined.factors, f)) for f in fields)
+    packed = loaded.pack()
+    assert packed.super_scales is not None and packed.scales.dtype == torch.uint8
+    assert torch.equal(exact_kernels.unpack(packed), joined.dequantize())
 
 
 def test_types_that_are_not_4_bit_have_no_groups() -> None:

@@ -298,7 +298,7 @@ def _load_forward(
                     summary = make_exact(forward, groups, quantization)
                 except ValueError as exc:
                     raise ModelLoadError(str(exc)) from exc
-                kernels = "AVX512-VNNI" if exact.has_vector_path() else "portable code"
+                kernels = exact.code_path()
                 logger.info("deterministic numerics (--deterministic on): exact kernels (%s; %s); a request's "
                             "text does not depend on the batch, the prefix cache, prefill chunking or the "
                             "thread count", summary, kernels)  # fmt: skip
@@ -399,7 +399,7 @@ def _load_gguf(
         forward, summary = load_gguf_exact(gguf, spec, dtype)
     except (UnsupportedCheckpoint, ValueError, KeyError, OSError) as exc:
         raise ModelLoadError(f"cannot serve {path}: {exc}") from exc
-    kernels = "AVX512-VNNI" if exact.has_vector_path() else "portable code"
+    kernels = exact.code_path()
     experts = f", {spec.moe.num_experts} experts, {spec.moe.top_k} a token" if spec.moe else ""
     logger.info("native forward from the GGUF: %s, %d layers%s; exact kernels (%s; %s)", spec.model_type,
                 spec.num_hidden_layers, experts, summary, kernels)  # fmt: skip

@@ -52,7 +52,7 @@ def _pack(
     own = _groups_of(groups, name, linear) if mode in ("auto", "int4") else None
     if own is not None:
         summary.gguf_int4 += 1
-        packed = exact.pack_int4(own.values, own.group_scale, own.group_min)
+        packed = own.pack()
     elif mode == "int4" and linear.weight.shape[1] % exact.GROUP == 0:
         summary.int4 += 1
         made = quantize_int4_groups(linear.weight)

@@ -11,10 +11,10 @@ fix the order in our own code:
   the sum over groups) runs in one fixed sequence per output element.
 - **Norms, attention and the sampler's sums** reduce in an order written in the kernel (16
   lanes and a halving tree, or key order), each row or query by one thread.
-- Vector (AVX512-VNNI) and portable code compute the same operations, so they give the same bits;
-  ``scalar=True`` forces the portable code (the tests compare both). On a CPU without AVX512-VNNI
-  the matmul and attention run AVX2 code where the CPU has it (``portable=True`` forces the plain
-  C++ of attention, which every CPU can run).
+- Vector (AVX512-VNNI, AVX2) and portable code compute the same operations, so they give the same
+  bits. ``scalar=True`` forces the code of a CPU without AVX512-VNNI: AVX2 for the matmul and
+  attention where the CPU has it, the portable code for the rest; ``portable=True`` forces the
+  plain C++ of the matmul and attention, which every CPU can run (the tests compare all of them).
 
 The extension is compiled at first use with the C++ compiler torch's ``cpp_extension`` finds
 (~30 s, once: cached by torch under ``TORCH_EXTENSIONS_DIR``, keyed by the source). Without a
@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "kernels" / "exact.cpp"
 GROUP = 32  # inputs per quantization group, for weights and activations alike
 LANES = 16  # outputs per packed weight block
+SUPER_GROUPS = 8  # groups per factored super-block (a GGUF's Q4_K: 256 inputs)
 
 PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2
 # No contraction of a * b + c into FMAs and no fast-math: the code's operations are the
@@ -91,27 +92,46 @@ def _ops() -> Any:
 
 
 def has_vector_path() -> bool:
-    """Whether this CPU runs the AVX512-VNNI code (else the portable code: same bits, slower)."""
+    """Whether this CPU runs the AVX512-VNNI code (else the AVX2 or the portable code: same bits, slower)."""
     return bool(_ops().has_avx512())
+
+
+def code_path() -> str:
+    """What the matmul and attention run on here: "AVX512-VNNI", "AVX2" or "portable code"."""
+    return str(_ops().code_path())
 
 
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight ``[out, in]`` as unsigned values ``u`` per group of 32 inputs, ``w = scale * (u -
-    zero) + min`` (``mins`` None: no minimum), laid out for the kernel (see ``exact.cpp``)."""
+    zero) + min`` (``mins`` None: no minimum), laid out for the kernel (see ``exact.cpp``).
+    ``super_scales`` given (a GGUF's Q4_K), ``scales`` and ``mins`` are uint8 factors: a group's
+    scale is ``super_scales[block, group // 8, lane] * scales[block, group, lane]``, its min
+    likewise with ``super_mins`` (each product exact in float32)."""
 
     data: torch.Tensor  # uint8
-    scales: torch.Tensor  # float32 or float16 [blocks, groups, 16]
+    scales: torch.Tensor  # float32 or float16 [blocks, groups, 16]; uint8 with super_scales
     mins: torch.Tensor | None
     zero: int
     bits: int
     out_features: int
     in_features: int
+    super_scales: torch.Tensor | None = None  # float32 [blocks, groups / 8, 16]
+    super_mins: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.mins is None else self.mins.numel() * self.mins.element_size()
-        return self.data.numel() + self.scales.numel() * self.scales.element_size() + extra
+        parts = (self.data, self.scales, self.mins, self.super_scales, self.super_mins)
+        return sum(part.numel() * part.element_size() for part in parts if part is not None)
+
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each group's scale and min as float32 ``[blocks, groups, 16]`` (min None: none)."""
+        if self.super_scales is None:
+            return self.scales.float(), None if self.mins is None else self.mins.float()
+        scales = self.super_scales.repeat_interleave(SUPER_GROUPS, dim=1) * self.scales.float()
+        if self.mins is None or self.super_mins is None:
+            return scales, None
+        return scales, self.super_mins.repeat_interleave(SUPER_GROUPS, dim=1) * self.mins.float()
 
 
 def _blocked(values: torch.Tensor, fill: float) -> torch.Tensor:
@@ -180,6 +200,30 @@ def pack_int4(values: torch.Tensor, group_scale: torch.Tensor, group_min: torch.
     return pack(values.to(torch.uint8), group_scale, group_min, 0, 4)
 
 
+def pack_int4_factored(
+    values: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, neg_dmin: torch.Tensor, m: torch.Tensor
+) -> PackedWeight:
+    """4-bit groups whose scale is ``d * sc`` and min ``neg_dmin * m``, kept factored as a GGUF's
+    Q4_K stores them: ``d``/``neg_dmin`` float32 ``[out, in / 256]``, ``sc``/``m`` uint8 ``[out, in /
+    32]``. 4.75 bits a weight, against 6 with a float32 scale and min per group; the kernels
+    form each product, which is exact in float32, so the results are the same bits."""
+    in_features = values.shape[1]
+    if in_features % (GROUP * SUPER_GROUPS):
+        raise ValueError(f"factored 4-bit groups need a width that is a multiple of {GROUP * SUPER_GROUPS}")
+    plain = pack(values.to(torch.uint8), sc.float(), m.float(), 0, 4)
+
+    def blocked(part: torch.Tensor) -> torch.Tensor:
+        return _blocked(part, 0).permute(0, 2, 1).contiguous()
+
+    return replace(
+        plain,
+        scales=blocked(sc.to(torch.uint8)),
+        mins=blocked(m.to(torch.uint8)),
+        super_scales=blocked(d.float()),
+        super_mins=blocked(neg_dmin.float()),
+    )
+
+
 def matmul(
     x: torch.Tensor,
     weight: PackedWeight,
@@ -192,21 +236,24 @@ def matmul(
     out_float32: bool = False,
     lora: LoraRows | None = None,
     scalar: bool = False,
+    portable: bool = False,
 ) -> torch.Tensor:
     """``residual + (prologue(x) @ W^T + bias)``, rounded once: ``x`` ``[..., in]`` (``[..., 2 *
     in]`` for ``silu_mul``: gate then up), bf16 or fp32; the result (and ``residual``) in ``x``'s
     dtype, or fp32. ``lora``: each row's LoRA update added after, ``out[r] + B_g (A_g
     prologue(x[r]))`` with ``g = lora.group[r]`` (-1: none), ``A_g x`` computed as this matmul
     with an fp32 output from the same quantized activations, the sum with ``out[r]`` rounded once;
-    a row's values depend on that row alone."""
+    a row's values depend on that row alone. ``scalar``/``portable``: as ``attention``'s."""
     if lora is None:
         return _ops().qlinear(
-            x, prologue, norm_weight, eps, weight.data, weight.scales, weight.mins, weight.zero, weight.bits,
-            weight.out_features, weight.in_features, bias, residual, out_float32, scalar,
+            x, prologue, norm_weight, eps, weight.data, weight.scales, weight.mins, weight.super_scales,
+            weight.super_mins, weight.zero, weight.bits, weight.out_features, weight.in_features, bias, residual,
+            out_float32, scalar, portable,
         )  # fmt: skip
     return _ops().qlinear_lora(
-        x, prologue, norm_weight, eps, weight.data, weight.scales, weight.mins, weight.zero, weight.bits,
-        weight.out_features, weight.in_features, bias, residual, out_float32, lora.factors, lora.group, scalar,
+        x, prologue, norm_weight, eps, weight.data, weight.scales, weight.mins, weight.super_scales,
+        weight.super_mins, weight.zero, weight.bits, weight.out_features, weight.in_features, bias, residual,
+        out_float32, lora.factors, lora.group, scalar, portable,
     )  # fmt: skip
 
 
@@ -343,14 +390,15 @@ def unpack(weight: PackedWeight) -> torch.Tensor:
     if weight.bits == 4:
         data = torch.cat([data & 0x0F, data >> 4], dim=2)
     values = data.permute(0, 3, 1, 2, 4).reshape(blocks * LANES, groups, GROUP).float()
-    scales = weight.scales.float().permute(0, 2, 1).reshape(blocks * LANES, groups, 1)
+    group_scale, group_min = weight.group_scales()
+    scales = group_scale.permute(0, 2, 1).reshape(blocks * LANES, groups, 1)
     full = scales * (values - weight.zero)
-    if weight.mins is not None:
-        full = full + weight.mins.float().permute(0, 2, 1).reshape(blocks * LANES, groups, 1)
-    return full.view(blocks * LANES, groups * GROUP)[: weight.out_features, : weight.in_features]
+    if group_min is not None:
+        full = full + group_min.permute(0, 2, 1).reshape(blocks * LANES, groups, 1)
+    return full.reshape(blocks * LANES, groups * GROUP)[: weight.out_features, : weight.in_features]
 
 
 if __name__ == "__main__":  # `make venv` builds the extension once, so the first worker need not
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if load():
-        logger.info("exact kernels built (%s)", "AVX512-VNNI" if has_vector_path() else "portable code")
+        logger.info("exact kernels built (%s)", code_path())

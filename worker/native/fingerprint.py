@@ -36,7 +36,10 @@ def _packed_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
                 walk(item, f"{name}.{index}")
         packed = getattr(value, "packed", None)
         if isinstance(value, torch.nn.Module) and packed is not None:
-            found.extend((f"{name}.{part}", getattr(packed, part)) for part in ("data", "scales"))
+            for part in ("data", "scales", "super_scales"):
+                tensor = getattr(packed, part)
+                if tensor is not None:
+                    found.append((f"{name}.{part}", tensor))
 
     for module_name, module in model.named_modules():
         parts = getattr(module, "exact", None)

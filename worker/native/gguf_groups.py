@@ -11,7 +11,9 @@ of some projections, e.g. Llama's q/k for its rotary layout), and kept only wher
 ``scale * q + min`` reproduces the converted weight bit for bit.
 
 Stored as one safetensors file of ``{weight}.q4`` (uint8, two values a byte, low nibble first),
-``{weight}.group_scale`` and ``{weight}.group_min`` (float32, one per 32 inputs) per weight.
+``{weight}.group_scale`` and ``{weight}.group_min`` (float32, one per 32 inputs) per weight, and
+for a Q4_K weight the factors they are products of (``SuperScales``: ``{weight}.d``, ``.sc``,
+``.neg_dmin``, ``.m``), which the exact kernels read as they are, in fewer bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from worker.native import exact
+from worker.native.exact import SUPER_GROUPS  # a Q4_K super-block's groups, as the kernels read them
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +49,37 @@ _LAYER_NAMES = {
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
+_FACTOR_FIELDS = ("d", "sc", "neg_dmin", "m")  # SuperScales' fields, in order
+
+
+@dataclass(frozen=True)
+class SuperScales:
+    """A Q4_K weight's group scales and mins as its file stores them: per super-block of
+    ``SUPER_GROUPS`` groups a float16 ``d`` and ``dmin``, per group a 6-bit ``sc`` and ``m``, with
+    ``group_scale = d * sc`` and ``group_min = -dmin * m`` (both products exact in float32)."""
+
+    d: torch.Tensor  # float32 [out, in / (GROUP_SIZE * SUPER_GROUPS)], each a float16 value
+    sc: torch.Tensor  # uint8 [out, in / GROUP_SIZE], each 0..63
+    neg_dmin: torch.Tensor  # float32, as d: -dmin
+    m: torch.Tensor  # uint8, as sc
+
+    @classmethod
+    def joined(cls, parts: list[SuperScales]) -> SuperScales:
+        return cls(*(torch.cat([getattr(p, field) for p in parts]) for field in _FACTOR_FIELDS))
+
+    def permute_rows(self, order: torch.Tensor) -> SuperScales:
+        return SuperScales(self.d[order], self.sc[order], self.neg_dmin[order], self.m[order])
+
+
 @dataclass(frozen=True)
 class Int4Groups:
-    """One weight as ``group_scale * q + group_min`` per group of ``GROUP_SIZE`` inputs."""
+    """One weight as ``group_scale * q + group_min`` per group of ``GROUP_SIZE`` inputs;
+    ``factors``: the same scales and mins as the file's Q4_K factors them (None: not Q4_K)."""
 
     values: torch.Tensor  # uint8 [out, in], each 0..15
     group_scale: torch.Tensor  # float32 [out, in / GROUP_SIZE]
     group_min: torch.Tensor  # float32 [out, in / GROUP_SIZE]
+    factors: SuperScales | None = None
 
     def dequantize(self) -> torch.Tensor:
         out, width = self.values.shape
@@ -60,14 +89,24 @@ class Int4Groups:
     @classmethod
     def joined(cls, parts: list[Int4Groups]) -> Int4Groups:
         """Several weights' groups stacked in row order (a joined projection's)."""
+        factors = [p.factors for p in parts if p.factors is not None]
         return cls(
             values=torch.cat([p.values for p in parts]),
             group_scale=torch.cat([p.group_scale for p in parts]),
             group_min=torch.cat([p.group_min for p in parts]),
+            factors=SuperScales.joined(factors) if len(factors) == len(parts) else None,
         )
 
     def permute_rows(self, order: torch.Tensor) -> Int4Groups:
-        return Int4Groups(self.values[order], self.group_scale[order], self.group_min[order])
+        factors = None if self.factors is None else self.factors.permute_rows(order)
+        return Int4Groups(self.values[order], self.group_scale[order], self.group_min[order], factors)
+
+    def pack(self) -> exact.PackedWeight:
+        """In the exact kernels' layout: Q4_K's scales as the file factors them, else as products."""
+        factors = self.factors
+        if factors is not None:
+            return exact.pack_int4_factored(self.values, factors.d, factors.sc, factors.neg_dmin, factors.m)
+        return exact.pack_int4(self.values, self.group_scale, self.group_min)
 
 
 def hf_weight_name(gguf_name: str) -> str | None:
@@ -83,18 +122,21 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+_Decoded = tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, ...] | None]
+
+
+def _q4_0(blocks: np.ndarray) -> _Decoded:
     scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-    return _nibbles(blocks[:, 2:]), scale, -8 * scale
+    return _nibbles(blocks[:, 2:]), scale, -8 * scale, None
 
 
-def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q4_1(blocks: np.ndarray) -> _Decoded:
     scale = blocks[:, :2].copy().view(np.float16).astype(np.float32)
     low = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    return _nibbles(blocks[:, 4:]), scale, low
+    return _nibbles(blocks[:, 4:]), scale, low, None
 
 
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q4_k(blocks: np.ndarray) -> _Decoded:
     """Super-blocks of 256: fp16 ``d`` and ``dmin``, eight 6-bit scales and mins packed in 12
     bytes, then 128 bytes whose 32-byte quarters hold sub-blocks 2j (low nibbles) and 2j+1."""
     count = blocks.shape[0]
@@ -108,7 +150,7 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     values = ((quarters >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(count * 8, 32)
     group_scale = (d * scales.astype(np.float32)).reshape(count * 8, 1)
     group_min = -(dmin * mins.astype(np.float32)).reshape(count * 8, 1)
-    return values, group_scale, group_min
+    return values, group_scale, group_min, (d, scales, -dmin, mins)
 
 
 _DECODERS = {"Q4_0": (_q4_0, 18), "Q4_1": (_q4_1, 20), "Q4_K": (_q4_k, 144)}
@@ -120,11 +162,22 @@ def read_groups(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4
         return None
     decode, block_bytes = _DECODERS[type_name]
     out, width = shape
-    values, scale, low = decode(np.ascontiguousarray(raw).reshape(-1, block_bytes))
+    values, scale, low, factored = decode(np.ascontiguousarray(raw).reshape(-1, block_bytes))
+    factors = None
+    if factored is not None:
+        d, sc, neg_dmin, m = factored
+        supers = width // (GROUP_SIZE * SUPER_GROUPS)
+        factors = SuperScales(
+            d=torch.from_numpy(np.ascontiguousarray(d)).reshape(out, supers),
+            sc=torch.from_numpy(np.ascontiguousarray(sc, dtype=np.uint8)).reshape(out, width // GROUP_SIZE),
+            neg_dmin=torch.from_numpy(np.ascontiguousarray(neg_dmin)).reshape(out, supers),
+            m=torch.from_numpy(np.ascontiguousarray(m, dtype=np.uint8)).reshape(out, width // GROUP_SIZE),
+        )
     return Int4Groups(
         values=torch.from_numpy(values.astype(np.uint8)).reshape(out, width),
         group_scale=torch.from_numpy(scale).reshape(out, width // GROUP_SIZE),
         group_min=torch.from_numpy(low).reshape(out, width // GROUP_SIZE),
+        factors=factors,
     )
 
 
@@ -167,6 +220,9 @@ def save_groups(groups: dict[str, Int4Groups], path: Path) -> None:
         tensors[f"{name}.q4"] = (group.values[:, 0::2] | (group.values[:, 1::2] << 4)).contiguous()
         tensors[f"{name}.group_scale"] = group.group_scale.contiguous()
         tensors[f"{name}.group_min"] = group.group_min.contiguous()
+        if group.factors is not None:
+            for field in _FACTOR_FIELDS:
+                tensors[f"{name}.{field}"] = getattr(group.factors, field).contiguous()
     save_file(tensors, str(path))
 
 
@@ -182,5 +238,8 @@ def load_groups(folder: Path) -> dict[str, Int4Groups]:
             continue
         name = key.removesuffix(".q4")
         values = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-        groups[name] = Int4Groups(values, tensors[f"{name}.group_scale"], tensors[f"{name}.group_min"])
+        factors = None
+        if all(f"{name}.{field}" in tensors for field in _FACTOR_FIELDS):  # files written before have none
+            factors = SuperScales(*(tensors[f"{name}.{field}"] for field in _FACTOR_FIELDS))
+        groups[name] = Int4Groups(values, tensors[f"{name}.group_scale"], tensors[f"{name}.group_min"], factors)
     return groups

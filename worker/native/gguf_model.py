@@ -182,8 +182,7 @@ class _Packer:
         """The weights ``names`` stacked in row order, as one packed weight."""
         groups = [self.groups(name, index) for name in names]
         if all(g is not None for g in groups):
-            joined = Int4Groups.joined([g for g in groups if g is not None])
-            packed = exact.pack_int4(joined.values, joined.group_scale, joined.group_min)
+            packed = Int4Groups.joined([g for g in groups if g is not None]).pack()
             self.summary.gguf_int4 += 1
         elif len(names) == 1 and self.gguf.tensors[names[0]].type.name == "Q8_0":
             packed = self._q8_0(names[0], index)

@@ -314,7 +314,10 @@ static bool use_avx512(bool scalar) {
 //   bits 4: [out/16][groups][4 quads][16 outputs][4 inputs], the byte holding quad j's value in
 //           its low nibble and quad j + 4's in its high nibble
 //   scales, mins: [out/16][groups][16 outputs], float32, or float16 where every value is one
-//   exactly (a GGUF's Q4_0/Q4_1/Q8_0 scales are): the same numbers in fewer bytes to read
+//   exactly (a GGUF's Q4_0/Q4_1/Q8_0 scales are): the same numbers in fewer bytes to read;
+//   or factored, as a GGUF's Q4_K stores them: uint8 factors, each group's scale
+//   super_scales[out/16][groups/8][16] * scales[...] (a float16 number times an integer below 64:
+//   exact in float32, so the same number as a float32 scale holding the product), mins likewise
 
 struct PackedWeight {
   const uint8_t* data;
@@ -324,7 +327,20 @@ struct PackedWeight {
   int zero;
   int bits;
   int64_t groups;
+  const float* super_scales = nullptr;  // given: scales and mins are factored (uint8)
+  const float* super_mins = nullptr;
 };
+
+// A factored weight's 16 lane scales (and mins) of group g of a block, as float32.
+static inline void factored_lanes(const PackedWeight& w, int64_t block, int64_t g, float* scale, float* mn) {
+  const int64_t at = (block * w.groups + g) * kLanes, super_at = (block * (w.groups / 8) + g / 8) * kLanes;
+  const uint8_t* sc = static_cast<const uint8_t*>(w.scales) + at;
+  for (int lane = 0; lane < kLanes; ++lane) scale[lane] = w.super_scales[super_at + lane] * static_cast<float>(sc[lane]);
+  if (w.mins) {
+    const uint8_t* m = static_cast<const uint8_t*>(w.mins) + at;
+    for (int lane = 0; lane < kLanes; ++lane) mn[lane] = w.super_mins[super_at + lane] * static_cast<float>(m[lane]);
+  }
+}
 
 static inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
@@ -423,10 +439,18 @@ PORTABLE_CLONES static void matmul_block_scalar(const PackedWeight& w, int64_t b
         group_dots<4>(w.data + (block * w.groups + g) * 4 * kLanes * 4, xq, dot);
       }
       const int64_t s0 = (block * w.groups + g) * kLanes;
+      float scale[kLanes], mn[kLanes];
+      if (w.super_scales) {
+        factored_lanes(w, block, g, scale, mn);
+      } else {
+        for (int lane = 0; lane < kLanes; ++lane) {
+          scale[lane] = scale_at(w.scales, s0 + lane, w.half);
+          mn[lane] = w.mins ? scale_at(w.mins, s0 + lane, w.half) : 0.0f;
+        }
+      }
       for (int lane = 0; lane < kLanes; ++lane)
-        acc[lane] = acc[lane] + group_term(dot[lane], rows[r].sums[g], w.zero, rows[r].d[g],
-                                           scale_at(w.scales, s0 + lane, w.half),
-                                           w.mins ? scale_at(w.mins, s0 + lane, w.half) : 0.0f, w.mins != nullptr);
+        acc[lane] = acc[lane] + group_term(dot[lane], rows[r].sums[g], w.zero, rows[r].d[g], scale[lane],
+                                           w.mins ? mn[lane] : 0.0f, w.mins != nullptr);
     }
     for (int lane = 0; lane < kLanes; ++lane) {
       int64_t n = block * kLanes + lane;
@@ -464,37 +488,83 @@ AVX2_TARGET static inline void finish_dots_avx2(const __m256i* part, __m256i* do
   dot[1] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(part[2], part[3]), _MM_SHUFFLE(3, 1, 2, 0));
 }
 
+// A group's integer dots of 8-bit weights, lanes 0-7 and 8-15: the weights widened to 16 bits.
+template <int R>
+AVX2_TARGET static inline void group_dots8_avx2(const uint8_t* data, const RowQuant* rows, int64_t g,
+                                                __m256i (*dot)[2]) {
+  __m256i part[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) part[r][c] = _mm256_setzero_si256();
+  for (int quad = 0; quad < 8; ++quad) {
+    const uint8_t* base = data + quad * kLanes * 4;
+    __m256i w16[4];
+    for (int c = 0; c < 4; ++c)
+      w16[c] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 16 * c)));
+    for (int r = 0; r < R; ++r) {
+      int32_t xword;
+      std::memcpy(&xword, rows[r].q + g * kGroup + quad * 4, 4);
+      __m256i x16 = _mm256_cvtepi8_epi16(_mm_set1_epi32(xword));
+      for (int c = 0; c < 4; ++c) part[r][c] = _mm256_add_epi32(part[r][c], _mm256_madd_epi16(w16[c], x16));
+    }
+  }
+  for (int r = 0; r < R; ++r) finish_dots_avx2(part[r], dot[r]);
+}
+
+// A group's integer dots of 4-bit weights, lanes 0-7 and 8-15. The weights (0..15) are unsigned
+// bytes as they stand and the activations (-127..127) signed bytes, so each pair sum of maddubs
+// (at most 2 * 15 * 127 in size) and the eight of them a lane adds in 16 bits (at most 30,480)
+// are exact; one madd with ones then adds each lane's 16-bit sums into its 32-bit dot.
+template <int R>
+AVX2_TARGET static inline void group_dots4_avx2(const uint8_t* data, const RowQuant* rows, int64_t g,
+                                                __m256i (*dot)[2]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256i sum16[R][2];
+  for (int r = 0; r < R; ++r) sum16[r][0] = sum16[r][1] = _mm256_setzero_si256();
+  for (int quad = 0; quad < 4; ++quad) {  // low nibbles: inputs of quad, high: of quad + 4
+    const uint8_t* base = data + quad * kLanes * 4;
+    __m256i low[2], high[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + 32 * h));
+      low[h] = _mm256_and_si256(bytes, nibble);
+      high[h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t a, b;
+      std::memcpy(&a, rows[r].q + g * kGroup + quad * 4, 4);
+      std::memcpy(&b, rows[r].q + g * kGroup + (quad + 4) * 4, 4);
+      const __m256i xa = _mm256_set1_epi32(a), xb = _mm256_set1_epi32(b);
+      for (int h = 0; h < 2; ++h)
+        sum16[r][h] = _mm256_add_epi16(
+            sum16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(low[h], xa), _mm256_maddubs_epi16(high[h], xb)));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_madd_epi16(sum16[r][h], ones);
+}
+
 template <int kBits, int R>
 AVX2_TARGET static inline void matmul_rows_avx2(const PackedWeight& w, int64_t block, const RowQuant* rows,
                                                 __m256* acc) {
-  const __m128i nibble = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* data = w.data + (block * w.groups + g) * kBits * kLanes * 4;
-    __m256i part[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) part[r][c] = _mm256_setzero_si256();
-    for (int quad = 0; quad < 8; ++quad) {
-      const uint8_t* base = data + (kBits == 8 ? quad : (quad & 3)) * kLanes * 4;
-      __m256i w16[4];
-      for (int c = 0; c < 4; ++c) {
-        __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 16 * c));
-        if (kBits == 4) bytes = _mm_and_si128(quad < 4 ? bytes : _mm_srli_epi16(bytes, 4), nibble);
-        w16[c] = _mm256_cvtepu8_epi16(bytes);
-      }
-      for (int r = 0; r < R; ++r) {
-        int32_t xword;
-        std::memcpy(&xword, rows[r].q + g * kGroup + quad * 4, 4);
-        __m256i x16 = _mm256_cvtepi8_epi16(_mm_set1_epi32(xword));
-        for (int c = 0; c < 4; ++c) part[r][c] = _mm256_add_epi32(part[r][c], _mm256_madd_epi16(w16[c], x16));
-      }
-    }
+    __m256i dots[R][2];
+    if (kBits == 4)
+      group_dots4_avx2<R>(data, rows, g, dots);
+    else
+      group_dots8_avx2<R>(data, rows, g, dots);
     const int64_t s = (block * w.groups + g) * kLanes;
     __m256 scale[2], mn[2];
-    load_scales_avx2(w.scales, s, w.half, scale);
-    if (w.mins) load_scales_avx2(w.mins, s, w.half, mn);
+    if (w.super_scales) {
+      alignas(32) float sf[kLanes], mf[kLanes];
+      factored_lanes(w, block, g, sf, mf);
+      load_scales_avx2(sf, 0, false, scale);
+      if (w.mins) load_scales_avx2(mf, 0, false, mn);
+    } else {
+      load_scales_avx2(w.scales, s, w.half, scale);
+      if (w.mins) load_scales_avx2(w.mins, s, w.half, mn);
+    }
     for (int r = 0; r < R; ++r) {
-      __m256i dot[2];
-      finish_dots_avx2(part[r], dot);
+      const __m256i* dot = dots[r];
       const int32_t sum = rows[r].sums[g];
       const __m256i zero_sum = _mm256_set1_epi32(w.zero * sum);
       const __m256 d = _mm256_set1_ps(rows[r].d[g]);
@@ -548,6 +618,15 @@ static bool use_avx2() {
 }
 #endif
 
+// Whether the matmul's AVX2 code runs here (where the AVX-512 code does not).
+static bool any_avx2() {
+#ifdef RELAYLM_X86
+  return use_avx2();
+#else
+  return false;
+#endif
+}
+
 #ifdef RELAYLM_X86
 AVX512_TARGET static inline __m512 load_scales(const void* base, int64_t i, bool half) {
   if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i)));
@@ -587,8 +666,16 @@ AVX512_TARGET static inline void matmul_rows_avx512(const PackedWeight& w, int64
       }
     }
     int64_t s = (block * w.groups + g) * kLanes;
-    __m512 scale = load_scales(w.scales, s, w.half);
-    __m512 mn = w.mins ? load_scales(w.mins, s, w.half) : _mm512_setzero_ps();
+    __m512 scale, mn = _mm512_setzero_ps();
+    if (w.super_scales) {
+      alignas(64) float sf[kLanes], mf[kLanes];
+      factored_lanes(w, block, g, sf, mf);
+      scale = load_scales(sf, 0, false);
+      if (w.mins) mn = load_scales(mf, 0, false);
+    } else {
+      scale = load_scales(w.scales, s, w.half);
+      if (w.mins) mn = load_scales(w.mins, s, w.half);
+    }
     for (int r = 0; r < R; ++r) {
       int32_t sum = rows[r].sums[g];
       __m512i centred = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(w.zero * sum));
@@ -645,14 +732,15 @@ struct QuantizedRows {
 // quantized activations.
 struct LoraFactors;
 static void add_lora(const LoraFactors& lora, const at::Tensor& group, const QuantizedRows& xq, int64_t k_in,
-                     at::Tensor& out, bool scalar);
+                     at::Tensor& out, bool scalar, bool portable);
 
 static at::Tensor qlinear_rows(const at::Tensor& x_in, int64_t prologue, const c10::optional<at::Tensor>& norm_weight,
                                double eps, const at::Tensor& weight, const at::Tensor& scales,
-                               const c10::optional<at::Tensor>& mins, int64_t zero, int64_t bits, int64_t n_out,
+                               const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& super_scales,
+                               const c10::optional<at::Tensor>& super_mins, int64_t zero, int64_t bits, int64_t n_out,
                                int64_t k_in, const c10::optional<at::Tensor>& bias,
                                const c10::optional<at::Tensor>& residual, bool out_float32, bool scalar,
-                               const LoraFactors* lora, const at::Tensor* group) {
+                               bool portable, const LoraFactors* lora, const at::Tensor* group) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "qlinear: bf16 or fp32 input");
   TORCH_CHECK(bits == 4 || bits == 8, "qlinear: 4 or 8 bits");
   auto kind = static_cast<Prologue>(prologue);
@@ -685,7 +773,7 @@ static at::Tensor qlinear_rows(const at::Tensor& x_in, int64_t prologue, const c
 
   QuantizedRows xq(num_rows, groups);
   std::vector<RowQuant>& rows = xq.rows;
-  const bool vec = use_avx512(scalar);
+  const bool vec = use_avx512(scalar || portable), avx2 = !vec && !portable && any_avx2();
   const char* xp = static_cast<const char*>(x.data_ptr());
   const int64_t row_bytes = width * x.element_size();
   // Each row by one thread, each output block by one thread: the split never reaches a sum.
@@ -704,10 +792,32 @@ static at::Tensor qlinear_rows(const at::Tensor& x_in, int64_t prologue, const c
     }
   });
   const bool half = scales_c.scalar_type() == at::kHalf;
-  TORCH_CHECK(half || scales_c.scalar_type() == at::kFloat, "qlinear: float32 or float16 scales");
-  TORCH_CHECK(!mins.has_value() || mins_c.scalar_type() == scales_c.scalar_type(), "qlinear: mins as scales");
+  const bool factored = super_scales.has_value();
+  TORCH_CHECK(half || scales_c.scalar_type() == (factored ? at::kByte : at::kFloat),
+              "qlinear: float32 or float16 scales, or uint8 factors of super_scales");
+  TORCH_CHECK(scales_c.numel() == blocks * groups * kLanes, "qlinear: scales [blocks, groups, 16]");
+  TORCH_CHECK(!mins.has_value() || (mins_c.scalar_type() == scales_c.scalar_type() && mins_c.numel() == scales_c.numel()),
+              "qlinear: mins as scales");
   PackedWeight w{weight_c.data_ptr<uint8_t>(), scales_c.data_ptr(), mins.has_value() ? mins_c.data_ptr() : nullptr,
                  half, static_cast<int>(zero), static_cast<int>(bits), groups};
+  at::Tensor super_scales_c, super_mins_c;
+  if (factored) {
+    TORCH_CHECK(groups % 8 == 0 && super_scales->scalar_type() == at::kFloat &&
+                    super_scales->numel() == blocks * (groups / 8) * kLanes,
+                "qlinear: super_scales float32 [blocks, groups / 8, 16]");
+    TORCH_CHECK(mins.has_value() == super_mins.has_value() &&
+                    (!super_mins.has_value() || (super_mins->scalar_type() == at::kFloat &&
+                                                 super_mins->numel() == super_scales->numel())),
+                "qlinear: factored mins need super_mins as super_scales");
+    super_scales_c = super_scales->contiguous();
+    w.super_scales = super_scales_c.data_ptr<float>();
+    if (super_mins.has_value()) {
+      super_mins_c = super_mins->contiguous();
+      w.super_mins = super_mins_c.data_ptr<float>();
+    }
+  } else {
+    TORCH_CHECK(!super_mins.has_value(), "qlinear: super_mins without super_scales");
+  }
   at::Tensor residual_c;
   if (residual.has_value()) {
     TORCH_CHECK(residual->scalar_type() == out.scalar_type() && residual->numel() == num_rows * n_out,
@@ -724,7 +834,7 @@ static at::Tensor qlinear_rows(const at::Tensor& x_in, int64_t prologue, const c
         matmul_block_avx512(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
         continue;
       }
-      if (use_avx2()) {
+      if (avx2) {
         if (w.bits == 8)
           matmul_block_avx2<8>(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
         else
@@ -735,7 +845,7 @@ static at::Tensor qlinear_rows(const at::Tensor& x_in, int64_t prologue, const c
       matmul_block_scalar(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
     }
   });
-  if (lora != nullptr) add_lora(*lora, *group, xq, k_in, out, scalar);
+  if (lora != nullptr) add_lora(*lora, *group, xq, k_in, out, scalar, portable);
   return out;
 }
 
@@ -815,13 +925,13 @@ struct LoraFactors {
 };
 
 static void matmul_block_any(const PackedWeight& w, int64_t block, const RowQuant* row, int64_t n_out, Epilogue epi,
-                             void* out, bool out_bf16, bool vec) {
+                             void* out, bool out_bf16, bool vec, bool avx2) {
 #ifdef RELAYLM_X86
   if (vec) {
     matmul_block_avx512(w, block, row, 1, n_out, epi, out, n_out, out_bf16);
     return;
   }
-  if (use_avx2()) {
+  if (avx2) {
     matmul_block_avx2<8>(w, block, row, 1, n_out, epi, out, n_out, out_bf16);
     return;
   }
@@ -898,7 +1008,7 @@ static void lora_b(const std::vector<LoraPart>& parts, const float* t, void* out
 }
 
 static void add_lora(const LoraFactors& lora, const at::Tensor& group, const QuantizedRows& xq, int64_t k_in,
-                     at::Tensor& out, bool scalar) {
+                     at::Tensor& out, bool scalar, bool portable) {
   const int64_t num_rows = out.size(0), n_out = out.size(1);
   const int64_t num_weights = static_cast<int64_t>(lora.ranks.size());
   TORCH_CHECK(lora.k_in == k_in && lora.n_out == n_out, "lora: the factors of another projection's shape");
@@ -906,7 +1016,7 @@ static void add_lora(const LoraFactors& lora, const at::Tensor& group, const Qua
               "lora: one int64 group per row");
   const int64_t* gp = group.data_ptr<int64_t>();
   for (int64_t r = 0; r < num_rows; ++r) TORCH_CHECK(gp[r] < num_weights, "lora: group out of range");
-  const bool vec = use_avx512(scalar);
+  const bool vec = use_avx512(scalar || portable), avx2 = !vec && !portable && any_avx2();
   const bool out_bf16 = out.scalar_type() == at::kBFloat16;
   char* out_base = static_cast<char*>(out.data_ptr());
   const int64_t row_bytes = n_out * out.element_size();
@@ -918,7 +1028,7 @@ static void add_lora(const LoraFactors& lora, const at::Tensor& group, const Qua
       if (g < 0) continue;
       const int64_t rank = lora.ranks[g];
       for (int64_t block = 0; block < (rank + kLanes - 1) / kLanes; ++block)
-        matmul_block_any(lora.a[g], block, &xq.rows[r], rank, Epilogue{nullptr, nullptr}, t.data(), false, vec);
+        matmul_block_any(lora.a[g], block, &xq.rows[r], rank, Epilogue{nullptr, nullptr}, t.data(), false, vec, avx2);
       lora_b(lora.b[g], t.data(), out_base + r * row_bytes, out_bf16, vec);
     }
   });
@@ -926,12 +1036,13 @@ static void add_lora(const LoraFactors& lora, const at::Tensor& group, const Qua
 
 at::Tensor qlinear(const at::Tensor& x_in, int64_t prologue, const c10::optional<at::Tensor>& norm_weight, double eps,
                    const at::Tensor& weight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
+                   const c10::optional<at::Tensor>& super_scales, const c10::optional<at::Tensor>& super_mins,
                    int64_t zero, int64_t bits, int64_t n_out, int64_t k_in, const c10::optional<at::Tensor>& bias,
-                   const c10::optional<at::Tensor>& residual, bool out_float32, bool scalar) {
+                   const c10::optional<at::Tensor>& residual, bool out_float32, bool scalar, bool portable) {
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = n_out;
-  return qlinear_rows(x_in, prologue, norm_weight, eps, weight, scales, mins, zero, bits, n_out, k_in, bias, residual,
-                      out_float32, scalar, nullptr, nullptr)
+  return qlinear_rows(x_in, prologue, norm_weight, eps, weight, scales, mins, super_scales, super_mins, zero, bits,
+                      n_out, k_in, bias, residual, out_float32, scalar, portable, nullptr, nullptr)
       .view(out_shape);
 }
 
@@ -939,13 +1050,15 @@ at::Tensor qlinear(const at::Tensor& x_in, int64_t prologue, const c10::optional
 // the adapters of `lora`.
 at::Tensor qlinear_lora(const at::Tensor& x_in, int64_t prologue, const c10::optional<at::Tensor>& norm_weight,
                         double eps, const at::Tensor& weight, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& mins, int64_t zero, int64_t bits, int64_t n_out, int64_t k_in,
-                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
-                        bool out_float32, const LoraFactors& lora, const at::Tensor& group, bool scalar) {
+                        const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& super_scales,
+                        const c10::optional<at::Tensor>& super_mins, int64_t zero, int64_t bits, int64_t n_out,
+                        int64_t k_in, const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                        bool out_float32, const LoraFactors& lora, const at::Tensor& group, bool scalar,
+                        bool portable) {
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = n_out;
-  return qlinear_rows(x_in, prologue, norm_weight, eps, weight, scales, mins, zero, bits, n_out, k_in, bias, residual,
-                      out_float32, scalar, &lora, &group)
+  return qlinear_rows(x_in, prologue, norm_weight, eps, weight, scales, mins, super_scales, super_mins, zero, bits,
+                      n_out, k_in, bias, residual, out_float32, scalar, portable, &lora, &group)
       .view(out_shape);
 }
 
@@ -1411,6 +1524,165 @@ AVX2_FMA_TARGET static void attend_avx2(const AttnArgs& a, int64_t row, int64_t 
   }
 }
 
+// 8 rows of 8 floats, transposed in place.
+AVX2_FMA_TARGET static inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Eight elements as float32 (a bf16 is the top half of its float32: exact).
+AVX2_FMA_TARGET static inline __m256 v8_load_as_float(const char* base, int64_t i, bool bf16) {
+  if (bf16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(base) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(base) + i);
+}
+
+// The weighted values of C queries (C <= 3) over dimensions d0..d0 + 8S (S <= 4: a 64-byte line
+// of bf16 values), in one pass over the keys. Query c's sum runs over its keys 0..last[c] in
+// order; keys up to the least `last` count for all of them, without a test per query.
+template <int C, int S>
+AVX2_FMA_TARGET static inline void weigh_values_few_avx2(const AttnArgs& a, int64_t row, int64_t kvh, const float* p,
+                                                         int64_t width, const int64_t* last, int64_t d0, __m256* o) {
+  int64_t last_min = last[0], last_max = last[0];
+  for (int c = 1; c < C; ++c) {
+    last_min = std::min(last_min, last[c]);
+    last_max = std::max(last_max, last[c]);
+  }
+  __m256 acc[C][S];
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < S; ++i) acc[c][i] = _mm256_setzero_ps();
+  const int64_t base = row * a.v_row + kvh * a.v_head + d0;
+  int64_t j = 0;
+  for (; j <= last_min; ++j) {
+    __m256 pv[C];
+    for (int c = 0; c < C; ++c) pv[c] = _mm256_set1_ps(p[c * width + j]);
+    for (int i = 0; i < S; ++i) {
+      const __m256 v = v8_load_as_float(a.v, base + j * a.v_pos + i * kLanes8, a.bf16);
+      for (int c = 0; c < C; ++c) acc[c][i] = _mm256_fmadd_ps(pv[c], v, acc[c][i]);
+    }
+  }
+  for (; j <= last_max; ++j) {
+    for (int c = 0; c < C; ++c) {
+      if (j > last[c]) continue;
+      const __m256 pv = _mm256_set1_ps(p[c * width + j]);
+      for (int i = 0; i < S; ++i)
+        acc[c][i] = _mm256_fmadd_ps(pv, v8_load_as_float(a.v, base + j * a.v_pos + i * kLanes8, a.bf16), acc[c][i]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int i = 0; i < S; ++i) o[c * S + i] = acc[c][i];
+}
+
+// A few queries of one kv head (a decode step's, up to eight), keys eight at a time in the lanes:
+// attend_few_avx512's passes on AVX2. Four blocks of eight keys are scored at once; up to three
+// queries' weighted values are summed in one pass over the values. Each (query, key) and each
+// query's sums run attend_scalar's operations in its order.
+AVX2_FMA_TARGET static void attend_few_avx2(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
+                                            const int64_t* lane_t, int count) {
+  const int64_t dim = a.dim;
+  int64_t last[kLanes8], last_max = 0;
+  thread_local std::vector<float> q, scores, p, kt;
+  if (static_cast<int64_t>(q.size()) < count * dim) q.resize(count * dim);
+  for (int c = 0; c < count; ++c) {
+    int64_t qo = row * a.q_row + lane_head[c] * a.q_head + lane_t[c] * a.q_pos;
+    for (int64_t d = 0; d < dim; ++d) q[c * dim + d] = elem(a.q, qo + d, a.bf16);
+    last[c] = query_position(a, row, lane_t[c]);
+    last_max = last[c] > last_max ? last[c] : last_max;
+  }
+  constexpr int64_t kSpan = kFewBlocks * kLanes8;  // keys scored per pass
+  const int64_t width = (last_max + kSpan) / kSpan * kSpan;
+  if (static_cast<int64_t>(scores.size()) < count * width) scores.resize(count * width);
+  if (static_cast<int64_t>(p.size()) < count * width) p.resize(count * width);
+  if (static_cast<int64_t>(kt.size()) < kFewBlocks * dim * kLanes8) kt.resize(kFewBlocks * dim * kLanes8);
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  for (int64_t j0 = 0; j0 <= last_max; j0 += kSpan) {
+    for (int b = 0; b < kFewBlocks; ++b) {  // kt[b][d][lane]: block b's keys, transposed
+      const int64_t jb = j0 + b * kLanes8;
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(kLanes8, last_max + 1 - jb));
+      for (int64_t dc = 0; dc < dim; dc += kLanes8) {
+        __m256 block[kLanes8];
+        for (int i = 0; i < kLanes8; ++i)
+          block[i] = i < n ? v8_load_as_float(a.k, row * a.k_row + kvh * a.k_head + (jb + i) * a.k_pos + dc, a.bf16)
+                           : _mm256_setzero_ps();
+        transpose8(block);
+        for (int i = 0; i < kLanes8; ++i) _mm256_storeu_ps(kt.data() + (b * dim + dc + i) * kLanes8, block[i]);
+      }
+    }
+    for (int c = 0; c < count; ++c) {
+      __m256 acc[kFewBlocks];
+      for (int b = 0; b < kFewBlocks; ++b) acc[b] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dim; ++d) {
+        const __m256 qd = _mm256_set1_ps(q[c * dim + d]);
+        for (int b = 0; b < kFewBlocks; ++b)
+          acc[b] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt.data() + (b * dim + d) * kLanes8), acc[b]);
+      }
+      for (int b = 0; b < kFewBlocks; ++b)
+        _mm256_storeu_ps(scores.data() + c * width + j0 + b * kLanes8, _mm256_mul_ps(acc[b], scale));
+    }
+  }
+  // Each query's maximum over its keys (any order gives the same maximum; a NaN score is passed
+  // over, as std::fmax does), its weights, and their sum in key order.
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  float l[kLanes8];
+  for (int c = 0; c < count; ++c) {
+    const float* s = scores.data() + c * width;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + kLanes8 <= last[c] + 1; j += kLanes8) mv = _mm256_max_ps(_mm256_loadu_ps(s + j), mv);
+    if (j <= last[c]) {
+      const __m256 tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(last[c] + 1 - j)), iota));
+      mv = _mm256_max_ps(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + j), tail), mv);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(h));
+    float* pc = p.data() + c * width;
+    for (int64_t k = 0; k <= last[c]; k += kLanes8)
+      _mm256_storeu_ps(pc + k, v8_exp_fixed(_mm256_sub_ps(_mm256_loadu_ps(s + k), m)));
+    float sum = 0.0f;
+    for (int64_t k = 0; k <= last[c]; ++k) sum = sum + pc[k];
+    l[c] = sum;
+  }
+  __m256 o[3 * 4];
+  alignas(32) float lane[kLanes8];
+  for (int g = 0; g < count; g += 3) {
+    const int group = std::min(3, count - g);
+    for (int64_t d0 = 0; d0 < dim; d0 += 4 * kLanes8) {
+      const int slice = static_cast<int>(std::min<int64_t>(4, (dim - d0) / kLanes8));
+      const float* pg = p.data() + g * width;
+#define RELAYLM_FEW8(C, S) \
+      if (group == C && slice == S) weigh_values_few_avx2<C, S>(a, row, kvh, pg, width, last + g, d0, o);
+      RELAYLM_FEW8(1, 1) RELAYLM_FEW8(1, 2) RELAYLM_FEW8(1, 3) RELAYLM_FEW8(1, 4)
+      RELAYLM_FEW8(2, 1) RELAYLM_FEW8(2, 2) RELAYLM_FEW8(2, 3) RELAYLM_FEW8(2, 4)
+      RELAYLM_FEW8(3, 1) RELAYLM_FEW8(3, 2) RELAYLM_FEW8(3, 3) RELAYLM_FEW8(3, 4)
+#undef RELAYLM_FEW8
+      for (int c = 0; c < group; ++c) {
+        const int64_t oo = ((row * a.queries + lane_t[g + c]) * a.heads + lane_head[g + c]) * dim;
+        for (int i = 0; i < slice; ++i) {
+          _mm256_store_ps(lane, _mm256_div_ps(o[c * slice + i], _mm256_set1_ps(l[g + c])));
+          for (int e = 0; e < kLanes8; ++e) store_from_float(a.out, oo + d0 + i * kLanes8 + e, lane[e], a.bf16);
+        }
+      }
+    }
+  }
+}
+
 static bool use_avx2_fma() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
@@ -1459,6 +1731,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       }
       if (vec) {
         attend_avx512(a, row, kvh, lane_head, lane_t, count);
+        continue;
+      }
+      if (vec8 && count <= kLanes8 && dim % kLanes8 == 0 && dim <= 256) {
+        attend_few_avx2(a, row, kvh, lane_head, lane_t, count);
         continue;
       }
       if (vec8) {
@@ -1587,6 +1863,15 @@ at::Tensor block_sums(const at::Tensor& x_in, int64_t block, bool scalar) {
 
 bool has_avx512() { return use_avx512(false); }
 
+// The instruction set this CPU runs the matmul and attention on (the same bits on each).
+std::string code_path() {
+  if (use_avx512(false)) return "AVX512-VNNI";
+#ifdef RELAYLM_X86
+  if (use_avx2() && use_avx2_fma()) return "AVX2";
+#endif
+  return "portable code";
+}
+
 }  // namespace relaylm_exact
 
 // A Python module rather than torch operators: a call costs about half as much without the
@@ -1606,4 +1891,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp_shifted", &relaylm_exact::exp_shifted, release());
   m.def("block_sums", &relaylm_exact::block_sums, release());
   m.def("has_avx512", &relaylm_exact::has_avx512);
+  m.def("code_path", &relaylm_exact::code_path);
 }
