@@ -6,8 +6,9 @@ one run.
 
 Two workloads: (a) edits, a 40-line source file in the prompt and a small change asked for, the
 whole file answered (an answer that repeats its prompt); (b) open-ended prose. The two relaylm
-stacks run side by side and take turns (ABBA), so the machine's drift falls on both; the
-llama-server configurations run one after another, each on every core. Reported: the decode
+stacks and the llama-server configurations (each on every core) are all up at once, and each
+round runs every one of them in turn, the order rotated and reversed from round to round, so the
+machine's drift falls on all of them alike. Reported: the decode
 rate (tokens after the first over the time after the first), and whether each configuration's
 text equals its plain one's: relaylm's must, byte for byte. llama-server is found as ``make
 bench`` finds it (``make llama-server`` builds it); without one its rows are skipped.
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -124,52 +127,70 @@ def _measure(base_url: str, model: str, workload: str, max_tokens: int) -> dict[
     return asyncio.run(_stream(base_url, model, WORKLOADS[workload], max_tokens))
 
 
-def _relaylm(args: argparse.Namespace, model: str) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Both settings side by side, in ABBA rounds per workload."""
+@contextlib.contextmanager
+def _relaylm_stacks(model: str) -> Iterator[dict[str, str]]:
+    """Both relaylm settings, each a stack of its own on one Redis: their base URLs by name."""
     binary = find_redis_server()
     own = start_redis(binary) if binary else None
     redis_url = own.url if own else os.environ.get("RELAYLM_REDIS_URL", "redis://127.0.0.1:6379/0")
-    stacks: dict[str, Stack] = {}
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {"ngram": {}, "off": {}}
+    stacks: list[Stack] = []
     try:
-        for setting in runs:
+        urls = {}
+        for setting in ("ngram", "off"):
             stack = Stack(redis_url=redis_url, log_dir=Path(tempfile.mkdtemp(prefix=f"relaylm-spec-{setting}-")))
-            stacks[setting] = stack
+            stacks.append(stack)
             stack.start_api(log_level="WARNING")
             stack.start_worker(model, model, log_level="WARNING", max_model_len=2048, speculative=setting)
-            _measure(stack.base_url, model, "prose", 16)  # warm up
-        for workload in WORKLOADS:
-            for index in range(args.rounds):
-                for setting in ("ngram", "off") if index % 2 == 0 else ("off", "ngram"):
-                    run = _measure(stacks[setting].base_url, model, workload, args.max_tokens)
-                    runs[setting].setdefault(workload, []).append(run)
-                    print(f"relaylm {setting} {workload} round {index}: {run['decode_tok_s']:.1f} tok/s", flush=True)
+            urls[f"relaylm {setting}"] = stack.base_url
+        yield urls
     finally:
-        for stack in stacks.values():
+        for stack in stacks:
             stack.stop()
         if own:
             own.stop()
-    return runs
 
 
-def _llama_server(args: argparse.Namespace, gguf: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
+def _llama_servers(args: argparse.Namespace, gguf: Path, stack: contextlib.ExitStack) -> dict[str, str]:
+    """llama-server plain and in each n-gram mode, started in ``stack``: their base URLs by name."""
     binary = llama_server_peer.find_llama_server()
     if binary is None:
         print("llama-server skipped: none found (make llama-server builds one)", flush=True)
         return {}
     args.llama_server_version = llama_server_peer.version(binary)
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     threads = len(os.sched_getaffinity(0))
+    urls = {}
     for mode in ("plain", *LLAMA_SPEC_TYPES):
         extra = () if mode == "plain" else ("--spec-type", mode)
-        with llama_server_peer.running_llama_server(binary, gguf, 1, 2048, threads, extra) as url:
-            _measure(url, "peer", "prose", 16)
-            for workload in WORKLOADS:
-                for index in range(args.rounds):
-                    run = _measure(url, "peer", workload, args.max_tokens)
-                    runs.setdefault(mode, {}).setdefault(workload, []).append(run)
-                    print(f"llama-server {mode} {workload} round {index}: {run['decode_tok_s']:.1f} tok/s", flush=True)
+        running = llama_server_peer.running_llama_server(binary, gguf, 1, 2048, threads, extra)
+        urls[f"llama-server {mode}"] = stack.enter_context(running)
+    return urls
+
+
+def _run_all(args: argparse.Namespace, model: str, gguf: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every system up at once (an idle one takes no CPU), then each round runs every system in
+    turn, the order rotated and reversed from round to round, so the machine's drift falls on all
+    of them alike: runs by system and workload."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with contextlib.ExitStack() as stack:
+        urls = dict(stack.enter_context(_relaylm_stacks(model)))
+        if args.llama_server == "auto":
+            urls.update(_llama_servers(args, gguf, stack))
+        for name, url in urls.items():
+            _measure(url, _served_name(name, model), "prose", 16)  # warm up
+        names = list(urls)
+        for workload in WORKLOADS:
+            for index in range(args.rounds):
+                shift = index % len(names)
+                order = names[shift:] + names[:shift]
+                for name in order if index % 2 == 0 else order[::-1]:
+                    run = _measure(urls[name], _served_name(name, model), workload, args.max_tokens)
+                    runs.setdefault(name, {}).setdefault(workload, []).append(run)
+                    print(f"{name} {workload} round {index}: {run['decode_tok_s']:.1f} tok/s", flush=True)
     return runs
+
+
+def _served_name(system: str, model: str) -> str:
+    return model if system.startswith("relaylm") else "peer"
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -194,13 +215,8 @@ def main() -> None:
         RESULTS / "speculative.json" if model == DEFAULT_MODEL else RESULTS / f"speculative-{model}.json"
     )
 
-    relaylm = _relaylm(args, model)
-    llama = _llama_server(args, gguf) if args.llama_server == "auto" else {}
-    systems: dict[str, dict[str, dict[str, Any]]] = {}
-    for setting, by_workload in relaylm.items():
-        systems[f"relaylm {setting}"] = {workload: _summary(runs) for workload, runs in by_workload.items()}
-    for mode, by_workload in llama.items():
-        systems[f"llama-server {mode}"] = {workload: _summary(runs) for workload, runs in by_workload.items()}
+    runs = _run_all(args, model, gguf)
+    systems = {name: {workload: _summary(r) for workload, r in by_name.items()} for name, by_name in runs.items()}
     for workload in WORKLOADS:
         pairs = [
             ("relaylm ngram", "relaylm off"),
@@ -208,7 +224,7 @@ def main() -> None:
         ]
         for name, reference in pairs:
             if name in systems and reference in systems:
-                same = _first_text(relaylm, llama, name, workload) == _first_text(relaylm, llama, reference, workload)
+                same = runs[name][workload][0]["text"] == runs[reference][workload][0]["text"]
                 systems[name][workload]["same_text_as_" + reference.split()[-1]] = same
 
     ratios: dict[str, dict[str, float]] = {}
@@ -253,17 +269,6 @@ def main() -> None:
         "best_llama_ngram_mode": best_llama_mode,
     }
     write_result(out, report)
-
-
-def _first_text(
-    relaylm: dict[str, dict[str, list[dict[str, Any]]]],
-    llama: dict[str, dict[str, list[dict[str, Any]]]],
-    name: str,
-    workload: str,
-) -> str:
-    system, _, setting = name.partition(" ")
-    runs = relaylm if system == "relaylm" else llama
-    return str(runs[setting][workload][0]["text"])
 
 
 if __name__ == "__main__":
