@@ -22,8 +22,27 @@ def cpu_name() -> str:
     return "unknown"
 
 
+# The vector extensions the exact kernels choose their code by (and AMX, which oneDNN uses).
+_VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def cpu_features() -> dict[str, Any]:
+    """The CPU family number and its vector extensions: a VM's model name ("AMD EPYC") does not
+    tell an AVX2-only CPU from one with AVX-512."""
+    cpuinfo = Path("/proc/cpuinfo")
+    family: int | None = None
+    flags: set[str] = set()
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []:
+        key, _, value = line.partition(":")
+        if key.strip() == "cpu family" and family is None:
+            family = int(value)
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    return {"cpu_family": family, "vector": [flag for flag in _VECTOR_FLAGS if flag in flags]}
+
+
 def machine() -> dict[str, Any]:
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()}
+    return {"cpu": cpu_name(), **cpu_features(), "cores": os.cpu_count(), "python": platform.python_version()}
 
 
 def write_result(path: Path, report: dict[str, Any]) -> None:
