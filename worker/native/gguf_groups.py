@@ -28,7 +28,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from worker.native import exact
-from worker.native.exact import SUPER_GROUPS  # a Q4_K super-block's groups, as the kernels read them
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +54,10 @@ _FACTOR_FIELDS = ("d", "sc", "neg_dmin", "m")  # SuperScales' fields, in order
 @dataclass(frozen=True)
 class SuperScales:
     """A Q4_K weight's group scales and mins as its file stores them: per super-block of
-    ``SUPER_GROUPS`` groups a float16 ``d`` and ``dmin``, per group a 6-bit ``sc`` and ``m``, with
+    ``exact.SUPER_GROUPS`` groups a float16 ``d`` and ``dmin``, per group a 6-bit ``sc`` and ``m``, with
     ``group_scale = d * sc`` and ``group_min = -dmin * m`` (both products exact in float32)."""
 
-    d: torch.Tensor  # float32 [out, in / (GROUP_SIZE * SUPER_GROUPS)], each a float16 value
+    d: torch.Tensor  # float32 [out, in / (GROUP_SIZE * exact.SUPER_GROUPS)], each a float16 value
     sc: torch.Tensor  # uint8 [out, in / GROUP_SIZE], each 0..63
     neg_dmin: torch.Tensor  # float32, as d: -dmin
     m: torch.Tensor  # uint8, as sc
@@ -166,7 +165,7 @@ def read_groups(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4
     factors = None
     if factored is not None:
         d, sc, neg_dmin, m = factored
-        supers = width // (GROUP_SIZE * SUPER_GROUPS)
+        supers = width // (GROUP_SIZE * exact.SUPER_GROUPS)
         factors = SuperScales(
             d=torch.from_numpy(np.ascontiguousarray(d)).reshape(out, supers),
             sc=torch.from_numpy(np.ascontiguousarray(sc, dtype=np.uint8)).reshape(out, width // GROUP_SIZE),
