@@ -78,7 +78,7 @@ def test_a_moe_files_experts_are_its_own_4_bit_groups(moe: LoadedModel, moe_file
     assert isinstance(file_groups, Int4Groups)
     layer = moe.model.model.decoder_layers()[1]
     assert layer.exact is not None and isinstance(layer.exact.mlp, ExactExperts)
-    packed = layer.exact.mlp.down[3].packed
+    packed = layer.exact.mlp.down[3]
     assert packed.bits == 4
     assert torch.equal(exact.unpack(packed), file_groups.dequantize())
 

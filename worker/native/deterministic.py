@@ -93,23 +93,15 @@ def _exact_mlp(
     experts = mlp.experts
     gate_up, down = [], []
     for expert in range(mlp.moe.num_experts):
-        gate_up_weight = Linear.of(experts.gate_up_proj[expert])
-        gate_up.append(_exact(gate_up_weight, f"{name}.experts.{expert}.gate_up_proj", groups, mode, summary,
-                              exact.PROLOGUE_RMS_NORM, norm))  # fmt: skip
-        down_linear = _exact(Linear.of(experts.down_proj[expert]), f"{name}.experts.{expert}.down_proj", groups,
-                             mode, summary, exact.PROLOGUE_SILU_MUL)  # fmt: skip
-        down_linear.out_float32 = True
-        down.append(down_linear)
+        gate_up.append(_pack(Linear.of(experts.gate_up_proj[expert]), f"{name}.experts.{expert}.gate_up_proj", groups,
+                             mode, summary))  # fmt: skip
+        down.append(_pack(Linear.of(experts.down_proj[expert]), f"{name}.experts.{expert}.down_proj", groups, mode,
+                          summary))  # fmt: skip
     # 8-bit: the router is small, and a coarser one changes which experts a token gets.
     router = exact.pack_int8(mlp.gate.weight)
     summary.int8 += 1
     summary.nbytes += router.nbytes
-    parts_moe = ExactExperts(
-        moe=mlp.moe,
-        router=exact.ExactLinear(router, None, exact.PROLOGUE_RMS_NORM, norm.weight, norm.eps, out_float32=True),
-        gate_up=tuple(gate_up),
-        down=tuple(down),
-    )
+    parts_moe = ExactExperts.build(mlp.moe, router, gate_up, down, norm.weight, norm.eps)
     _drop(experts.gate_up_proj, experts, "gate_up_proj")
     _drop(experts.down_proj, experts, "down_proj")
     _drop(mlp.gate.weight, mlp.gate)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -317,6 +318,34 @@ def lora_factors(a: list[PackedWeight], b: list[LoraB]) -> Any:
         [f.scales for f in b], [[number for part in f.parts for number in part] for f in b], a[0].in_features,
         b[0].out_features,
     )  # fmt: skip
+
+
+def experts_kernel(
+    router: PackedWeight, gate_up: Sequence[PackedWeight], down: Sequence[PackedWeight], norm_weight: torch.Tensor,
+    eps: float, top_k: int, norm_topk_prob: bool,
+) -> Any:  # fmt: skip
+    """A mixture-of-experts layer's weights for ``experts``: the router ``[experts, hidden]``,
+    each expert's joined gate/up ``[2 * inter, hidden]`` and down ``[hidden, inter]``, and the
+    RMSNorm before them; checked and gathered once into the kernel's own object, which holds the
+    tensors."""
+    weights = [router, *gate_up, *down]
+    return _ops().Experts(
+        [[w.data, w.scales, w.mins, w.super_scales, w.super_mins] for w in weights],
+        [[w.zero, w.bits, w.out_features, w.in_features] for w in weights],
+        norm_weight.detach(), eps, top_k, norm_topk_prob,
+    )  # fmt: skip
+
+
+def experts(
+    kernel: Any, x: torch.Tensor, *, scalar: bool = False, portable: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[..., hidden]`` (bf16 or fp32, not yet normalised) plus its mixture-of-experts
+    output, in one call, and each token's chosen experts ``[tokens, top_k]`` (int64, rank order).
+    The bits are those of ``matmul``, ``exp_shifted`` and ``block_sums`` composed as
+    ``exact.cpp`` describes; a token's depend on its row alone. ``scalar``/``portable``: as
+    ``attention``'s."""
+    out, index = _ops().experts(kernel, x, scalar, portable)
+    return out, index
 
 
 class LoraRows(NamedTuple):

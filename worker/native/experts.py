@@ -6,18 +6,19 @@ every token routed to it, and experts no token chose are not read at all.
 
 - ``SparseMoe`` is the library forward, computed as transformers' ``Qwen3MoeSparseMoeBlock``
   computes it (fp32 logits agree to rounding; tests/worker/test_native_decoder.py).
-- ``ExactExperts`` is the forward of ``--deterministic on``: router and experts on the exact
-  kernels (``exact.py``), whose results for a row do not depend on the other rows of the call. So
-  which other tokens chose the same expert, and how many, cannot change a token's bits. The
-  router's softmax uses the kernels' fixed-order exp and sums; the choice is a stable sort (equal
-  probabilities: the lower expert index first); the chosen weights are renormalised and the
-  experts' outputs summed in rank order, in fp32, one element-wise operation at a time, and the
-  residual is added before the one rounding to the activations' dtype.
+- ``ExactExperts`` is the forward of ``--deterministic on``: router and experts in one call of
+  the exact kernels (``exact.experts``), whose results for a row do not depend on the other rows
+  of the call. So which other tokens chose the same expert, and how many, cannot change a token's
+  bits. The router's softmax uses the kernels' fixed-order exp and sums; the choice is a stable
+  sort (equal probabilities: the lower expert index first); the chosen weights are renormalised
+  and the experts' outputs summed in rank order, in fp32, one element-wise operation at a time,
+  and the residual is added before the one rounding to the activations' dtype.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -85,50 +86,26 @@ class SparseMoe(nn.Module):
         return out.view_as(hidden)
 
 
-def route_exact(logits: torch.Tensor, moe: MoeSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 router logits ``[tokens, experts]`` → each token's expert weights and numbers
-    ``[tokens, top_k]``, in rank order; every operation is a function of the token's row alone."""
-    unnormalised = exact.exp_shifted(logits)
-    probs = unnormalised / exact.block_sums(unnormalised, moe.num_experts)
-    ordered = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, index = ordered.values[:, : moe.top_k], ordered.indices[:, : moe.top_k]
-    if moe.norm_topk_prob:
-        total = weights[:, 0]
-        for rank in range(1, moe.top_k):
-            total = total + weights[:, rank]
-        weights = weights / total[:, None]
-    return weights, index
-
-
 class ExactExperts(NamedTuple):
-    """A sparse layer on the exact kernels; the post-attention RMSNorm is fused into the router's
-    and each expert's input quantization, the SwiGLU product into each down projection's."""
+    """A sparse layer on the exact kernels, one kernel call per step (``exact.experts``): the
+    post-attention RMSNorm is fused into the activations' quantization, the SwiGLU product into
+    each down projection's. Build it with ``build``."""
 
     moe: MoeSpec
-    router: exact.ExactLinear  # fp32 logits
-    gate_up: tuple[exact.ExactLinear, ...]  # one per expert
-    down: tuple[exact.ExactLinear, ...]  # one per expert, fp32 out
+    router: exact.PackedWeight  # [experts, hidden]
+    gate_up: tuple[exact.PackedWeight, ...]  # one per expert, [2 * inter, hidden]
+    down: tuple[exact.PackedWeight, ...]  # one per expert, [hidden, inter]
+    kernel: Any  # the kernel's object holding all of them and the norm
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def build(
+        cls, moe: MoeSpec, router: exact.PackedWeight, gate_up: Sequence[exact.PackedWeight],
+        down: Sequence[exact.PackedWeight], norm_weight: torch.Tensor, eps: float,
+    ) -> ExactExperts:  # fmt: skip
+        kernel = exact.experts_kernel(router, gate_up, down, norm_weight, eps, moe.top_k, moe.norm_topk_prob)
+        return cls(moe, router, tuple(gate_up), tuple(down), kernel)
+
+    def __call__(self, hidden: torch.Tensor, *, scalar: bool = False, portable: bool = False) -> torch.Tensor:
         """``hidden`` (not yet normalised) plus the experts' weighted sum."""
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        weights, index = route_exact(self.router(flat), self.moe)
-        # The (token, rank) routes sorted by expert: one gather, then each expert's rows are one
-        # contiguous slice, and one scatter puts the outputs back in (token, rank) order.
-        routes = index.reshape(-1)
-        order = torch.argsort(routes, stable=True)
-        gathered = flat[order // self.moe.top_k]
-        by_expert = torch.empty((routes.shape[0], flat.shape[-1]), dtype=torch.float32)
-        start = 0
-        for expert, count in enumerate(torch.bincount(routes, minlength=self.moe.num_experts).tolist()):
-            if count:
-                rows = gathered[start : start + count]
-                by_expert[start : start + count] = self.down[expert](self.gate_up[expert](rows))
-                start += count
-        outputs = torch.empty_like(by_expert)
-        outputs[order] = by_expert
-        outputs = outputs.view(*index.shape, flat.shape[-1])
-        total = outputs[:, 0] * weights[:, :1]
-        for rank in range(1, self.moe.top_k):
-            total = total + outputs[:, rank] * weights[:, rank : rank + 1]
-        return (flat.float() + total).to(hidden.dtype).view_as(hidden)
+        out, _ = exact.experts(self.kernel, hidden, scalar=scalar, portable=portable)
+        return out

@@ -11,15 +11,17 @@ from pathlib import Path
 
 import torch
 
+from worker.native.exact import PackedWeight
+
 WORKER_ROOT = Path(__file__).resolve().parent.parent
 _CODE_SUFFIXES = (".py", ".cpp", ".h")
 
 
 def update_with_weights(digest: hashlib.blake2b, model: torch.nn.Module) -> None:
     """Each parameter's and buffer's name, shape, dtype and first and last bytes, and those of the
-    exact kernels' packed weights (held by the layers' ``exact`` parts, outside the parameters):
-    a different checkpoint, quantization or dtype changes it, and it costs milliseconds, not a
-    read of every weight."""
+    exact kernels' packed weights (held by the layers' ``exact`` parts, outside the parameters,
+    alone or in an ``ExactLinear``): a different checkpoint, quantization or dtype changes it, and
+    it costs milliseconds, not a read of every weight."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers(), *_packed_weights(model)]:
         flat = tensor.detach().reshape(-1)
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
@@ -34,8 +36,8 @@ def _packed_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         if isinstance(value, tuple):
             for index, item in enumerate(value):
                 walk(item, f"{name}.{index}")
-        packed = getattr(value, "packed", None)
-        if isinstance(value, torch.nn.Module) and packed is not None:
+        packed = value if isinstance(value, PackedWeight) else getattr(value, "packed", None)
+        if isinstance(packed, PackedWeight):
             for part in ("data", "scales", "super_scales"):
                 tensor = getattr(packed, part)
                 if tensor is not None:

@@ -282,21 +282,13 @@ def _small_weights(spec: DecoderSpec) -> dict[str, str]:
 
 
 def _experts(packer: _Packer, blk: str, moe: MoeSpec, norm_weight: torch.Tensor, eps: float) -> ExactExperts:
-    gate_up, down = [], []
-    for expert in range(moe.num_experts):
-        gate_up.append(packer.linear([f"{blk}.ffn_gate_exps.weight", f"{blk}.ffn_up_exps.weight"], expert,
-                                     prologue=exact.PROLOGUE_RMS_NORM, norm_weight=norm_weight, eps=eps))  # fmt: skip
-        down.append(packer.linear([f"{blk}.ffn_down_exps.weight"], expert, prologue=exact.PROLOGUE_SILU_MUL,
-                                  out_float32=True))  # fmt: skip
+    experts = range(moe.num_experts)
+    gate_up = [packer.pack([f"{blk}.ffn_gate_exps.weight", f"{blk}.ffn_up_exps.weight"], e) for e in experts]
+    down = [packer.pack([f"{blk}.ffn_down_exps.weight"], e) for e in experts]
     router = exact.pack_int8(packer.floats(f"{blk}.ffn_gate_inp.weight"))
     packer.summary.int8 += 1
     packer.summary.nbytes += router.nbytes
-    return ExactExperts(
-        moe=moe,
-        router=exact.ExactLinear(router, None, exact.PROLOGUE_RMS_NORM, norm_weight, eps, out_float32=True),
-        gate_up=tuple(gate_up),
-        down=tuple(down),
-    )
+    return ExactExperts.build(moe, router, gate_up, down, norm_weight, eps)
 
 
 def _assign(model: NativeCausalLM, small: dict[str, torch.Tensor]) -> None:

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -727,6 +728,93 @@ struct QuantizedRows {
   }
 };
 
+// One row's activations after the prologue, quantized: the vector code where `vec`, else the
+// portable code (the same bits). `act` holds k_in floats.
+static void quantize_row(const void* x, bool is_bf16, int64_t k_in, Prologue kind, const void* norm_w, bool norm_bf16,
+                         float eps, bool vec, float* act, int64_t groups, RowQuant out) {
+#ifdef RELAYLM_X86
+  if (vec) {
+    prologue_avx512(x, is_bf16, k_in, kind, norm_w, norm_bf16, eps, act);
+    quantize_avx512(act, k_in, groups, out);
+    return;
+  }
+#else
+  (void)vec;
+#endif
+  prologue_scalar(x, is_bf16, k_in, kind, norm_w, norm_bf16, eps, act);
+  quantize_scalar(act, k_in, groups, out);
+}
+
+// One output block of `num_rows` rows (output row r at out + r * out_stride) on the code this
+// call runs: AVX-512 where `vec`, AVX2 where `avx2`, else the portable code (the same bits).
+static void matmul_block_any(const PackedWeight& w, int64_t block, const RowQuant* rows, int64_t num_rows,
+                             int64_t n_out, Epilogue epi, void* out, int64_t out_stride, bool out_bf16, bool vec,
+                             bool avx2) {
+#ifdef RELAYLM_X86
+  if (vec) {
+    matmul_block_avx512(w, block, rows, num_rows, n_out, epi, out, out_stride, out_bf16);
+    return;
+  }
+  if (avx2) {
+    if (w.bits == 8)
+      matmul_block_avx2<8>(w, block, rows, num_rows, n_out, epi, out, out_stride, out_bf16);
+    else
+      matmul_block_avx2<4>(w, block, rows, num_rows, n_out, epi, out, out_stride, out_bf16);
+    return;
+  }
+#else
+  (void)vec;
+  (void)avx2;
+#endif
+  matmul_block_scalar(w, block, rows, num_rows, n_out, epi, out, out_stride, out_bf16);
+}
+
+// A packed weight's tensors checked against its shape and gathered into a PackedWeight; `keep`
+// holds the contiguous tensors it points into.
+static PackedWeight packed_weight(const at::Tensor& weight, const at::Tensor& scales,
+                                  const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& super_scales,
+                                  const c10::optional<at::Tensor>& super_mins, int64_t zero, int64_t bits,
+                                  int64_t n_out, int64_t k_in, std::vector<at::Tensor>& keep) {
+  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: 4 or 8 bits");
+  const int64_t groups = (k_in + kGroup - 1) / kGroup, blocks = (n_out + kLanes - 1) / kLanes;
+  at::Tensor weight_c = weight.contiguous(), scales_c = scales.contiguous();
+  TORCH_CHECK(weight_c.scalar_type() == at::kByte && weight_c.numel() == blocks * groups * kGroup * kLanes * bits / 8,
+              "qlinear: packed weight size");
+  const bool half = scales_c.scalar_type() == at::kHalf;
+  const bool factored = super_scales.has_value();
+  TORCH_CHECK(half || scales_c.scalar_type() == (factored ? at::kByte : at::kFloat),
+              "qlinear: float32 or float16 scales, or uint8 factors of super_scales");
+  TORCH_CHECK(scales_c.numel() == blocks * groups * kLanes, "qlinear: scales [blocks, groups, 16]");
+  at::Tensor mins_c;
+  if (mins.has_value()) mins_c = mins->contiguous();
+  TORCH_CHECK(!mins.has_value() || (mins_c.scalar_type() == scales_c.scalar_type() && mins_c.numel() == scales_c.numel()),
+              "qlinear: mins as scales");
+  PackedWeight w{weight_c.data_ptr<uint8_t>(), scales_c.data_ptr(), mins.has_value() ? mins_c.data_ptr() : nullptr,
+                 half, static_cast<int>(zero), static_cast<int>(bits), groups};
+  keep.insert(keep.end(), {weight_c, scales_c});
+  if (mins.has_value()) keep.push_back(mins_c);
+  if (factored) {
+    TORCH_CHECK(groups % 8 == 0 && super_scales->scalar_type() == at::kFloat &&
+                    super_scales->numel() == blocks * (groups / 8) * kLanes,
+                "qlinear: super_scales float32 [blocks, groups / 8, 16]");
+    TORCH_CHECK(mins.has_value() == super_mins.has_value() &&
+                    (!super_mins.has_value() || (super_mins->scalar_type() == at::kFloat &&
+                                                 super_mins->numel() == super_scales->numel())),
+                "qlinear: factored mins need super_mins as super_scales");
+    at::Tensor super_scales_c = super_scales->contiguous();
+    w.super_scales = super_scales_c.data_ptr<float>();
+    keep.push_back(super_scales_c);
+    if (super_mins.has_value()) {
+      at::Tensor super_mins_c = super_mins->contiguous();
+      w.super_mins = super_mins_c.data_ptr<float>();
+      keep.push_back(super_mins_c);
+    }
+  } else {
+    TORCH_CHECK(!super_mins.has_value(), "qlinear: super_mins without super_scales");
+  }
+  return w;
+}
+
 // x [rows, k_in] (silu_mul: [rows, 2 * k_in]); out [rows, n_out] (viewed as x's leading dims by
 // the callers). `lora` given: each row's LoRA update is added after (`add_lora`), from the same
 // quantized activations.
@@ -742,15 +830,15 @@ static at::Tensor qlinear_rows(const at::Tensor& x_in, int64_t prologue, const c
                                const c10::optional<at::Tensor>& residual, bool out_float32, bool scalar,
                                bool portable, const LoraFactors* lora, const at::Tensor* group) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "qlinear: bf16 or fp32 input");
-  TORCH_CHECK(bits == 4 || bits == 8, "qlinear: 4 or 8 bits");
   auto kind = static_cast<Prologue>(prologue);
   int64_t width = kind == kSiluMul ? 2 * k_in : k_in;
   TORCH_CHECK(x_in.size(-1) == width, "qlinear: input width ", x_in.size(-1), ", expected ", width);
+  std::vector<at::Tensor> keep;
+  const PackedWeight w = packed_weight(weight, scales, mins, super_scales, super_mins, zero, bits, n_out, k_in, keep);
   at::Tensor x = x_in.reshape({-1, width}).contiguous();
   int64_t num_rows = x.size(0);
-  int64_t groups = (k_in + kGroup - 1) / kGroup;
+  int64_t groups = w.groups;
   int64_t blocks = (n_out + kLanes - 1) / kLanes;
-  TORCH_CHECK(weight.numel() == blocks * groups * kGroup * kLanes * bits / 8, "qlinear: packed weight size");
   bool is_bf16 = x.scalar_type() == at::kBFloat16;
   bool out_bf16 = !out_float32 && is_bf16;
   at::Tensor out = at::empty({num_rows, n_out}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
@@ -767,9 +855,6 @@ static at::Tensor qlinear_rows(const at::Tensor& x_in, int64_t prologue, const c
   }
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  at::Tensor scales_c = scales.contiguous(), weight_c = weight.contiguous();
-  at::Tensor mins_c;
-  if (mins.has_value()) mins_c = mins->contiguous();
 
   QuantizedRows xq(num_rows, groups);
   std::vector<RowQuant>& rows = xq.rows;
@@ -779,45 +864,10 @@ static at::Tensor qlinear_rows(const at::Tensor& x_in, int64_t prologue, const c
   // Each row by one thread, each output block by one thread: the split never reaches a sum.
   at::parallel_for(0, num_rows, grain_for(width * 16), [&](int64_t begin, int64_t end) {
     std::vector<float> act(groups * kGroup);
-    for (int64_t r = begin; r < end; ++r) {
-#ifdef RELAYLM_X86
-      if (vec) {
-        prologue_avx512(xp + r * row_bytes, is_bf16, k_in, kind, norm_ptr, norm_bf16, static_cast<float>(eps), act.data());
-        quantize_avx512(act.data(), k_in, groups, rows[r]);
-        continue;
-      }
-#endif
-      prologue_scalar(xp + r * row_bytes, is_bf16, k_in, kind, norm_ptr, norm_bf16, static_cast<float>(eps), act.data());
-      quantize_scalar(act.data(), k_in, groups, rows[r]);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(xp + r * row_bytes, is_bf16, k_in, kind, norm_ptr, norm_bf16, static_cast<float>(eps), vec,
+                   act.data(), groups, rows[r]);
   });
-  const bool half = scales_c.scalar_type() == at::kHalf;
-  const bool factored = super_scales.has_value();
-  TORCH_CHECK(half || scales_c.scalar_type() == (factored ? at::kByte : at::kFloat),
-              "qlinear: float32 or float16 scales, or uint8 factors of super_scales");
-  TORCH_CHECK(scales_c.numel() == blocks * groups * kLanes, "qlinear: scales [blocks, groups, 16]");
-  TORCH_CHECK(!mins.has_value() || (mins_c.scalar_type() == scales_c.scalar_type() && mins_c.numel() == scales_c.numel()),
-              "qlinear: mins as scales");
-  PackedWeight w{weight_c.data_ptr<uint8_t>(), scales_c.data_ptr(), mins.has_value() ? mins_c.data_ptr() : nullptr,
-                 half, static_cast<int>(zero), static_cast<int>(bits), groups};
-  at::Tensor super_scales_c, super_mins_c;
-  if (factored) {
-    TORCH_CHECK(groups % 8 == 0 && super_scales->scalar_type() == at::kFloat &&
-                    super_scales->numel() == blocks * (groups / 8) * kLanes,
-                "qlinear: super_scales float32 [blocks, groups / 8, 16]");
-    TORCH_CHECK(mins.has_value() == super_mins.has_value() &&
-                    (!super_mins.has_value() || (super_mins->scalar_type() == at::kFloat &&
-                                                 super_mins->numel() == super_scales->numel())),
-                "qlinear: factored mins need super_mins as super_scales");
-    super_scales_c = super_scales->contiguous();
-    w.super_scales = super_scales_c.data_ptr<float>();
-    if (super_mins.has_value()) {
-      super_mins_c = super_mins->contiguous();
-      w.super_mins = super_mins_c.data_ptr<float>();
-    }
-  } else {
-    TORCH_CHECK(!super_mins.has_value(), "qlinear: super_mins without super_scales");
-  }
   at::Tensor residual_c;
   if (residual.has_value()) {
     TORCH_CHECK(residual->scalar_type() == out.scalar_type() && residual->numel() == num_rows * n_out,
@@ -828,22 +878,8 @@ static at::Tensor qlinear_rows(const at::Tensor& x_in, int64_t prologue, const c
                residual.has_value() ? residual_c.data_ptr() : nullptr};
   void* out_ptr = out.data_ptr();
   at::parallel_for(0, blocks, grain_for(kLanes * groups * kGroup * num_rows), [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-#ifdef RELAYLM_X86
-      if (vec) {
-        matmul_block_avx512(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
-        continue;
-      }
-      if (avx2) {
-        if (w.bits == 8)
-          matmul_block_avx2<8>(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
-        else
-          matmul_block_avx2<4>(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
-        continue;
-      }
-#endif
-      matmul_block_scalar(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16);
-    }
+    for (int64_t block = begin; block < end; ++block)
+      matmul_block_any(w, block, rows.data(), num_rows, n_out, epi, out_ptr, n_out, out_bf16, vec, avx2);
   });
   if (lora != nullptr) add_lora(*lora, *group, xq, k_in, out, scalar, portable);
   return out;
@@ -923,21 +959,6 @@ struct LoraFactors {
     }
   }
 };
-
-static void matmul_block_any(const PackedWeight& w, int64_t block, const RowQuant* row, int64_t n_out, Epilogue epi,
-                             void* out, bool out_bf16, bool vec, bool avx2) {
-#ifdef RELAYLM_X86
-  if (vec) {
-    matmul_block_avx512(w, block, row, 1, n_out, epi, out, n_out, out_bf16);
-    return;
-  }
-  if (avx2) {
-    matmul_block_avx2<8>(w, block, row, 1, n_out, epi, out, n_out, out_bf16);
-    return;
-  }
-#endif
-  matmul_block_scalar(w, block, row, 1, n_out, epi, out, n_out, out_bf16);
-}
 
 // out[n0 + lane] += the block's update, for `lanes` (<= 16) outputs.
 PORTABLE_CLONES static void lora_b_block_scalar(const int8_t* q, const uint16_t* scales, int64_t rank, const float* t,
@@ -1028,7 +1049,8 @@ static void add_lora(const LoraFactors& lora, const at::Tensor& group, const Qua
       if (g < 0) continue;
       const int64_t rank = lora.ranks[g];
       for (int64_t block = 0; block < (rank + kLanes - 1) / kLanes; ++block)
-        matmul_block_any(lora.a[g], block, &xq.rows[r], rank, Epilogue{nullptr, nullptr}, t.data(), false, vec, avx2);
+        matmul_block_any(lora.a[g], block, &xq.rows[r], 1, rank, Epilogue{nullptr, nullptr}, t.data(), rank, false, vec,
+                         avx2);
       lora_b(lora.b[g], t.data(), out_base + r * row_bytes, out_bf16, vec);
     }
   });
@@ -1861,6 +1883,211 @@ at::Tensor block_sums(const at::Tensor& x_in, int64_t block, bool scalar) {
   return out;
 }
 
+// ---------------------------------------------------------------- mixture-of-experts layer
+//
+// A Qwen3-MoE sparse layer in one call, computing exactly what these kernels' one-projection
+// calls compute when composed (the bits of `qlinear`, `exp_shifted` and `block_sums`):
+// - each token's row RMS-normalised and quantized once: the router and every expert's gate/up
+//   projection quantize the same row with the same norm, so they read the same integers;
+// - the router's fp32 logits; p = exp_shifted / block_sums (one block), divided element-wise;
+// - the top_k experts by a stable descending sort: equal probabilities in expert order, NaN
+//   before any number (as torch.sort); their probabilities renormalised where norm_topk_prob (a
+//   sum in rank order, then one division each);
+// - each (token, expert) route's gate/up output rounded to x's dtype, its SwiGLU product
+//   quantized, its down projection in fp32;
+// - per token and element, in fp32: total = y_0 * w_0, then total = total + y_r * w_r in rank
+//   order, and x + total rounded once to x's dtype.
+// A token's values depend on its row alone: never on the tokens beside it, which experts they
+// chose, or the threads. Each phase is one parallel region over rows or over (expert, output
+// block) pairs, so a step's small expert matmuls share a region instead of making one each.
+
+struct Experts {
+  std::vector<at::Tensor> keep;
+  PackedWeight router;
+  std::vector<PackedWeight> gate_up, down;
+  const void* norm = nullptr;
+  bool norm_bf16 = false;
+  float eps;
+  int64_t hidden, inter, num_experts, top_k;
+  bool norm_topk_prob;
+
+  // weights: the router's, then each expert's gate/up, then each expert's down, each as
+  // [data, scales, mins, super_scales, super_mins]; numbers: each one's [zero, bits, n_out, k_in].
+  Experts(const std::vector<std::vector<c10::optional<at::Tensor>>>& weights,
+          const std::vector<std::vector<int64_t>>& numbers, const at::Tensor& norm_weight, double eps_,
+          int64_t top_k_, bool norm_topk_prob_)
+      : eps(static_cast<float>(eps_)), top_k(top_k_), norm_topk_prob(norm_topk_prob_) {
+    TORCH_CHECK(!weights.empty() && weights.size() % 2 == 1 && numbers.size() == weights.size(),
+                "experts: the router's weight, then two per expert");
+    std::vector<PackedWeight> all;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const auto& t = weights[i];
+      const auto& n = numbers[i];
+      TORCH_CHECK(t.size() == 5 && n.size() == 4 && t[0].has_value() && t[1].has_value(),
+                  "experts: [data, scales, mins, super_scales, super_mins] and [zero, bits, n_out, k_in]");
+      all.push_back(packed_weight(*t[0], *t[1], t[2], t[3], t[4], n[0], n[1], n[2], n[3], keep));
+    }
+    num_experts = static_cast<int64_t>(weights.size() / 2);
+    hidden = numbers[0][3];
+    inter = numbers[1 + num_experts][3];
+    TORCH_CHECK(numbers[0][2] == num_experts, "experts: one router logit per expert");
+    TORCH_CHECK(top_k >= 1 && top_k <= num_experts, "experts: 1 <= top_k <= experts");
+    for (int64_t e = 0; e < num_experts; ++e) {
+      const auto& gu = numbers[1 + e];
+      const auto& dn = numbers[1 + num_experts + e];
+      TORCH_CHECK(gu[2] == 2 * inter && gu[3] == hidden && dn[2] == hidden && dn[3] == inter,
+                  "experts: gate/up [2 * inter, hidden] and down [hidden, inter] for every expert");
+    }
+    router = all[0];
+    gate_up.assign(all.begin() + 1, all.begin() + 1 + num_experts);
+    down.assign(all.begin() + 1 + num_experts, all.end());
+    TORCH_CHECK(norm_weight.numel() == hidden &&
+                    (norm_weight.scalar_type() == at::kBFloat16 || norm_weight.scalar_type() == at::kFloat),
+                "experts: a bf16 or fp32 norm weight of the hidden width");
+    at::Tensor norm_c = norm_weight.contiguous();
+    keep.push_back(norm_c);
+    norm = norm_c.data_ptr();
+    norm_bf16 = norm_c.scalar_type() == at::kBFloat16;
+  }
+};
+
+// Torch's descending order: NaN first, then larger numbers; a stable sort keeps ties in order.
+static inline bool ranks_before(float a, float b) {
+  if (std::isnan(a)) return !std::isnan(b);
+  return !std::isnan(b) && a > b;
+}
+
+// x [..., hidden] bf16 or fp32 (not yet normalised) -> (x + the experts' weighted sum, each
+// token's chosen experts [tokens, top_k] int64 in rank order).
+std::tuple<at::Tensor, at::Tensor> experts(const Experts& m, const at::Tensor& x_in, bool scalar, bool portable) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "experts: bf16 or fp32 input");
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == m.hidden, "experts: input width ", x_in.size(-1), ", expected ",
+              m.hidden);
+  const int64_t H = m.hidden, I = m.inter, E = m.num_experts, K = m.top_k;
+  at::Tensor x = x_in.reshape({-1, H}).contiguous();
+  const int64_t tokens = x.size(0), routes = tokens * K;
+  at::Tensor out = at::empty_like(x);
+  at::Tensor index = at::empty({tokens, K}, x.options().dtype(at::kLong));
+  if (tokens == 0) return {out.view(x_in.sizes()), index};
+  const bool vec = use_avx512(scalar || portable), avx2 = !vec && !portable && any_avx2();
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t es = x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+
+  // Each token's row normalised and quantized once.
+  const int64_t groups_h = (H + kGroup - 1) / kGroup, groups_i = (I + kGroup - 1) / kGroup;
+  QuantizedRows xq(tokens, groups_h);
+  at::parallel_for(0, tokens, grain_for(H * 16), [&](int64_t begin, int64_t end) {
+    std::vector<float> act(groups_h * kGroup);
+    for (int64_t t = begin; t < end; ++t)
+      quantize_row(xp + t * H * es, is_bf16, H, kRmsNorm, m.norm, m.norm_bf16, m.eps, vec, act.data(), groups_h,
+                   xq.rows[t]);
+  });
+
+  // The router's logits, then each token's experts and weights.
+  std::vector<float> logits(tokens * E), weight(routes);
+  const int64_t router_blocks = (E + kLanes - 1) / kLanes;
+  at::parallel_for(0, router_blocks, grain_for(kLanes * H * tokens), [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      matmul_block_any(m.router, block, xq.rows.data(), tokens, E, Epilogue{nullptr, nullptr}, logits.data(), E, false,
+                       vec, avx2);
+  });
+  int64_t* chosen = index.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, grain_for(E * 64), [&](int64_t begin, int64_t end) {
+    std::vector<float> p(E);
+    std::vector<int64_t> order(E);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* l = logits.data() + t * E;
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < E; ++i) mx = std::fmax(mx, l[i]);  // exact in any order
+      float total;
+#ifdef RELAYLM_X86
+      if (vec) {
+        exp_shifted_row_avx512(l, E, mx, p.data());
+        total = block_sum_avx512(p.data(), E);
+      } else
+#endif
+      {
+        for (int64_t i = 0; i < E; ++i) p[i] = exp_fixed(l[i] - mx);
+        float lanes[kLanes] = {0};
+        for (int64_t i = 0; i < E; ++i) lanes[i % kLanes] = lanes[i % kLanes] + p[i];
+        total = tree16(lanes);
+      }
+      for (int64_t i = 0; i < E; ++i) p[i] = p[i] / total;
+      for (int64_t i = 0; i < E; ++i) order[i] = i;
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ranks_before(p[a], p[b]); });
+      float* w = weight.data() + t * K;
+      for (int64_t r = 0; r < K; ++r) {
+        chosen[t * K + r] = order[r];
+        w[r] = p[order[r]];
+      }
+      if (m.norm_topk_prob) {
+        float sum = w[0];
+        for (int64_t r = 1; r < K; ++r) sum = sum + w[r];
+        for (int64_t r = 0; r < K; ++r) w[r] = w[r] / sum;
+      }
+    }
+  });
+
+  // The routes by expert (token order within one): route j = t * K + r sits at position[j].
+  std::vector<int64_t> start(E + 1, 0), position(routes);
+  for (int64_t j = 0; j < routes; ++j) ++start[chosen[j] + 1];
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> cursor(start.begin(), start.end() - 1);
+  std::vector<RowQuant> expert_rows(routes);
+  for (int64_t j = 0; j < routes; ++j) {
+    position[j] = cursor[chosen[j]]++;
+    expert_rows[position[j]] = xq.rows[j / K];
+  }
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) used.push_back(e);
+  const int64_t num_used = static_cast<int64_t>(used.size()), rows_per_expert = (routes + num_used - 1) / num_used;
+
+  // Gate/up, in x's dtype: items are (expert, output block) pairs.
+  const int64_t gu_blocks = (2 * I + kLanes - 1) / kLanes;
+  std::vector<char> gu(routes * 2 * I * es);
+  at::parallel_for(0, num_used * gu_blocks, grain_for(kLanes * H * rows_per_expert), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = used[item / gu_blocks], block = item % gu_blocks, first = start[e];
+      matmul_block_any(m.gate_up[e], block, expert_rows.data() + first, start[e + 1] - first, 2 * I,
+                       Epilogue{nullptr, nullptr}, gu.data() + first * 2 * I * es, 2 * I, is_bf16, vec, avx2);
+    }
+  });
+  QuantizedRows hq(routes, groups_i);
+  at::parallel_for(0, routes, grain_for(I * 16), [&](int64_t begin, int64_t end) {
+    std::vector<float> act(groups_i * kGroup);
+    for (int64_t p = begin; p < end; ++p)
+      quantize_row(gu.data() + p * 2 * I * es, is_bf16, I, kSiluMul, nullptr, false, 0.0f, vec, act.data(), groups_i,
+                   hq.rows[p]);
+  });
+  // Down, in fp32.
+  const int64_t down_blocks = (H + kLanes - 1) / kLanes;
+  std::vector<float> y(routes * H);
+  at::parallel_for(0, num_used * down_blocks, grain_for(kLanes * I * rows_per_expert), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = used[item / down_blocks], block = item % down_blocks, first = start[e];
+      matmul_block_any(m.down[e], block, hq.rows.data() + first, start[e + 1] - first, H, Epilogue{nullptr, nullptr},
+                       y.data() + first * H, H, false, vec, avx2);
+    }
+  });
+
+  // Each token's weighted sum in rank order, plus its row, rounded once.
+  void* op = out.data_ptr();
+  at::parallel_for(0, tokens, grain_for(H * K), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* w = weight.data() + t * K;
+      const float* first = y.data() + position[t * K] * H;
+      for (int64_t k = 0; k < H; ++k) {
+        float total = first[k] * w[0];
+        for (int64_t r = 1; r < K; ++r) total = total + y[position[t * K + r] * H + k] * w[r];
+        store_from_float(op, t * H + k, load_as_float(xp, t * H + k, is_bf16) + total, is_bf16);
+      }
+    }
+  });
+  return {out.view(x_in.sizes()), index};
+}
+
 bool has_avx512() { return use_avx512(false); }
 
 // The instruction set this CPU runs the matmul and attention on (the same bits on each).
@@ -1886,6 +2113,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
                           const std::vector<std::vector<int64_t>>&, int64_t, int64_t>());
   m.def("qlinear_lora", &relaylm_exact::qlinear_lora, release());
+  pybind11::class_<relaylm_exact::Experts>(m, "Experts")
+      .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&,
+                          const std::vector<std::vector<int64_t>>&, const at::Tensor&, double, int64_t, bool>());
+  m.def("experts", &relaylm_exact::experts, release());
   m.def("attention", &relaylm_exact::attention, release());
   m.def("rms_norm", &relaylm_exact::rms_norm, release());
   m.def("exp_shifted", &relaylm_exact::exp_shifted, release());
