@@ -1799,6 +1799,33 @@ AVX512_TARGET static float block_sum_avx512(const float* x, int64_t n) {
 }
 #endif
 
+// exp_fixed(x - max of the row) of one row: the vector code where `vec`, else the portable code.
+static void exp_shifted_row(const float* x, int64_t width, bool vec, float* out) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i < width; ++i) m = std::fmax(m, x[i]);  // exact in any order
+#ifdef RELAYLM_X86
+  if (vec) {
+    exp_shifted_row_avx512(x, width, m, out);
+    return;
+  }
+#else
+  (void)vec;
+#endif
+  for (int64_t i = 0; i < width; ++i) out[i] = exp_fixed(x[i] - m);
+}
+
+// The sum of n values: element i in lane i % 16, then tree16.
+static float block_sum(const float* x, int64_t n, bool vec) {
+#ifdef RELAYLM_X86
+  if (vec) return block_sum_avx512(x, n);
+#else
+  (void)vec;
+#endif
+  float lanes[kLanes] = {0};
+  for (int64_t i = 0; i < n; ++i) lanes[i % kLanes] = lanes[i % kLanes] + x[i];
+  return tree16(lanes);
+}
+
 // RMSNorm of each row of x [..., k]: sum of squares in 16 lanes (tree16), (x / rms) * w.
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, bool scalar) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "rms_norm: bf16 or fp32");
@@ -1836,19 +1863,8 @@ at::Tensor exp_shifted(const at::Tensor& x_in, bool scalar) {
   int64_t width = x.size(1);
   const bool vec = use_avx512(scalar);
   at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x.data_ptr<float>() + r * width;
-      float* o = out.data_ptr<float>() + r * width;
-      float m = -INFINITY;
-      for (int64_t i = 0; i < width; ++i) m = std::fmax(m, xr[i]);  // exact in any order
-#ifdef RELAYLM_X86
-      if (vec) {
-        exp_shifted_row_avx512(xr, width, m, o);
-        continue;
-      }
-#endif
-      for (int64_t i = 0; i < width; ++i) o[i] = exp_fixed(xr[i] - m);
-    }
+    for (int64_t r = begin; r < end; ++r)
+      exp_shifted_row(x.data_ptr<float>() + r * width, width, vec, out.data_ptr<float>() + r * width);
   });
   return out;
 }
@@ -1865,19 +1881,7 @@ at::Tensor block_sums(const at::Tensor& x_in, int64_t block, bool scalar) {
     for (int64_t item = begin; item < end; ++item) {
       int64_t r = item / blocks, b = item % blocks;
       const float* xs = x.data_ptr<float>() + r * width + b * block;
-      int64_t n = std::min(block, width - b * block);
-      float result;
-#ifdef RELAYLM_X86
-      if (vec) {
-        result = block_sum_avx512(xs, n);
-      } else
-#endif
-      {
-        float lanes[kLanes] = {0};
-        for (int64_t i = 0; i < n; ++i) lanes[i % kLanes] = lanes[i % kLanes] + xs[i];
-        result = tree16(lanes);
-      }
-      out.data_ptr<float>()[item] = result;
+      out.data_ptr<float>()[item] = block_sum(xs, std::min(block, width - b * block), vec);
     }
   });
   return out;
@@ -1997,22 +2001,8 @@ std::tuple<at::Tensor, at::Tensor> experts(const Experts& m, const at::Tensor& x
     std::vector<float> p(E);
     std::vector<int64_t> order(E);
     for (int64_t t = begin; t < end; ++t) {
-      const float* l = logits.data() + t * E;
-      float mx = -INFINITY;
-      for (int64_t i = 0; i < E; ++i) mx = std::fmax(mx, l[i]);  // exact in any order
-      float total;
-#ifdef RELAYLM_X86
-      if (vec) {
-        exp_shifted_row_avx512(l, E, mx, p.data());
-        total = block_sum_avx512(p.data(), E);
-      } else
-#endif
-      {
-        for (int64_t i = 0; i < E; ++i) p[i] = exp_fixed(l[i] - mx);
-        float lanes[kLanes] = {0};
-        for (int64_t i = 0; i < E; ++i) lanes[i % kLanes] = lanes[i % kLanes] + p[i];
-        total = tree16(lanes);
-      }
+      exp_shifted_row(logits.data() + t * E, E, vec, p.data());
+      const float total = block_sum(p.data(), E, vec);
       for (int64_t i = 0; i < E; ++i) p[i] = p[i] / total;
       for (int64_t i = 0; i < E; ++i) order[i] = i;
       std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ranks_before(p[a], p[b]); });
