@@ -1304,6 +1304,36 @@ AVX512_TARGET static inline void transpose16(__m512* r) {
 // of dependent multiply-adds are in flight; each chain still runs in its own order.
 constexpr int kFewBlocks = 4;
 
+// What the few-query passes (AVX-512 and AVX2) start from: the queries as fp32 (q [count][dim]),
+// each one's last key and the latest of them, and a thread's buffers for the scores and
+// probabilities [count][width] (width: the keys padded to whole passes of kFewBlocks blocks of
+// `lanes` keys) and for a pass's transposed keys.
+struct FewQueries {
+  std::vector<float> q, scores, p, kt;
+  int64_t last[kLanes];
+  int64_t last_max, width;
+};
+
+static FewQueries& few_queries(const AttnArgs& a, int64_t row, const int64_t* lane_head, const int64_t* lane_t,
+                               int count, int64_t lanes) {
+  thread_local FewQueries f;
+  const int64_t dim = a.dim;
+  if (static_cast<int64_t>(f.q.size()) < count * dim) f.q.resize(count * dim);
+  f.last_max = 0;
+  for (int c = 0; c < count; ++c) {
+    int64_t qo = row * a.q_row + lane_head[c] * a.q_head + lane_t[c] * a.q_pos;
+    for (int64_t d = 0; d < dim; ++d) f.q[c * dim + d] = elem(a.q, qo + d, a.bf16);
+    f.last[c] = query_position(a, row, lane_t[c]);
+    f.last_max = f.last[c] > f.last_max ? f.last[c] : f.last_max;
+  }
+  const int64_t span = kFewBlocks * lanes;
+  f.width = (f.last_max + span) / span * span;
+  if (static_cast<int64_t>(f.scores.size()) < count * f.width) f.scores.resize(count * f.width);
+  if (static_cast<int64_t>(f.p.size()) < count * f.width) f.p.resize(count * f.width);
+  if (static_cast<int64_t>(f.kt.size()) < kFewBlocks * dim * lanes) f.kt.resize(kFewBlocks * dim * lanes);
+  return f;
+}
+
 template <int C, int CH>
 AVX512_TARGET static inline void weigh_values_few_avx512(const AttnArgs& a, int64_t row, int64_t kvh,
                                                          const float* p, int64_t width, const int64_t* last,
@@ -1337,20 +1367,14 @@ AVX512_TARGET static inline void weigh_values_few_avx512(const AttnArgs& a, int6
 AVX512_TARGET static void attend_few_avx512(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
                                             const int64_t* lane_t, int count) {
   const int64_t dim = a.dim;
-  int64_t last[kLanes], last_max = 0;
-  thread_local std::vector<float> q, scores, p, kt;
-  if (static_cast<int64_t>(q.size()) < count * dim) q.resize(count * dim);
-  for (int c = 0; c < count; ++c) {
-    int64_t qo = row * a.q_row + lane_head[c] * a.q_head + lane_t[c] * a.q_pos;
-    for (int64_t d = 0; d < dim; ++d) q[c * dim + d] = elem(a.q, qo + d, a.bf16);
-    last[c] = query_position(a, row, lane_t[c]);
-    last_max = last[c] > last_max ? last[c] : last_max;
-  }
+  FewQueries& f = few_queries(a, row, lane_head, lane_t, count, kLanes);
+  std::vector<float>& q = f.q;
+  std::vector<float>& scores = f.scores;
+  std::vector<float>& p = f.p;
+  std::vector<float>& kt = f.kt;
+  const int64_t* last = f.last;
+  const int64_t last_max = f.last_max, width = f.width;
   constexpr int64_t kSpan = kFewBlocks * kLanes;  // keys scored per pass
-  const int64_t width = (last_max + kSpan) / kSpan * kSpan;
-  if (static_cast<int64_t>(scores.size()) < count * width) scores.resize(count * width);
-  if (static_cast<int64_t>(p.size()) < count * width) p.resize(count * width);
-  if (static_cast<int64_t>(kt.size()) < kFewBlocks * dim * kLanes) kt.resize(kFewBlocks * dim * kLanes);
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t j0 = 0; j0 <= last_max; j0 += kSpan) {
     for (int b = 0; b < kFewBlocks; ++b) {  // kt[b][d][lane]: block b's keys, transposed
@@ -1617,20 +1641,14 @@ AVX2_FMA_TARGET static inline void weigh_values_few_avx2(const AttnArgs& a, int6
 AVX2_FMA_TARGET static void attend_few_avx2(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
                                             const int64_t* lane_t, int count) {
   const int64_t dim = a.dim;
-  int64_t last[kLanes8], last_max = 0;
-  thread_local std::vector<float> q, scores, p, kt;
-  if (static_cast<int64_t>(q.size()) < count * dim) q.resize(count * dim);
-  for (int c = 0; c < count; ++c) {
-    int64_t qo = row * a.q_row + lane_head[c] * a.q_head + lane_t[c] * a.q_pos;
-    for (int64_t d = 0; d < dim; ++d) q[c * dim + d] = elem(a.q, qo + d, a.bf16);
-    last[c] = query_position(a, row, lane_t[c]);
-    last_max = last[c] > last_max ? last[c] : last_max;
-  }
+  FewQueries& f = few_queries(a, row, lane_head, lane_t, count, kLanes8);
+  std::vector<float>& q = f.q;
+  std::vector<float>& scores = f.scores;
+  std::vector<float>& p = f.p;
+  std::vector<float>& kt = f.kt;
+  const int64_t* last = f.last;
+  const int64_t last_max = f.last_max, width = f.width;
   constexpr int64_t kSpan = kFewBlocks * kLanes8;  // keys scored per pass
-  const int64_t width = (last_max + kSpan) / kSpan * kSpan;
-  if (static_cast<int64_t>(scores.size()) < count * width) scores.resize(count * width);
-  if (static_cast<int64_t>(p.size()) < count * width) p.resize(count * width);
-  if (static_cast<int64_t>(kt.size()) < kFewBlocks * dim * kLanes8) kt.resize(kFewBlocks * dim * kLanes8);
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int64_t j0 = 0; j0 <= last_max; j0 += kSpan) {
     for (int b = 0; b < kFewBlocks; ++b) {  // kt[b][d][lane]: block b's keys, transposed
