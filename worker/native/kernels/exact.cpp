@@ -332,14 +332,24 @@ struct PackedWeight {
   const float* super_mins = nullptr;
 };
 
-// A factored weight's 16 lane scales (and mins) of group g of a block, as float32.
+// Where group g of a block keeps its 16 lanes' factors, and their super-block's numbers.
+struct FactorsAt {
+  int64_t at, super_at;
+};
+
+static inline FactorsAt factors_at(const PackedWeight& w, int64_t block, int64_t g) {
+  return {(block * w.groups + g) * kLanes, (block * (w.groups / 8) + g / 8) * kLanes};
+}
+
+// A factored weight's 16 lane scales (and mins) of group g of a block, as float32: each one
+// product, super * float(factor); the vector paths form the same products 16 or 8 at a time.
 static inline void factored_lanes(const PackedWeight& w, int64_t block, int64_t g, float* scale, float* mn) {
-  const int64_t at = (block * w.groups + g) * kLanes, super_at = (block * (w.groups / 8) + g / 8) * kLanes;
-  const uint8_t* sc = static_cast<const uint8_t*>(w.scales) + at;
-  for (int lane = 0; lane < kLanes; ++lane) scale[lane] = w.super_scales[super_at + lane] * static_cast<float>(sc[lane]);
+  const FactorsAt f = factors_at(w, block, g);
+  const uint8_t* sc = static_cast<const uint8_t*>(w.scales) + f.at;
+  for (int lane = 0; lane < kLanes; ++lane) scale[lane] = w.super_scales[f.super_at + lane] * static_cast<float>(sc[lane]);
   if (w.mins) {
-    const uint8_t* m = static_cast<const uint8_t*>(w.mins) + at;
-    for (int lane = 0; lane < kLanes; ++lane) mn[lane] = w.super_mins[super_at + lane] * static_cast<float>(m[lane]);
+    const uint8_t* m = static_cast<const uint8_t*>(w.mins) + f.at;
+    for (int lane = 0; lane < kLanes; ++lane) mn[lane] = w.super_mins[f.super_at + lane] * static_cast<float>(m[lane]);
   }
 }
 
@@ -482,6 +492,14 @@ AVX2_TARGET static inline void load_scales_avx2(const void* base, int64_t i, boo
   }
 }
 
+// factored_lanes' products for one of scales or mins, lanes 0-7 and 8-15.
+AVX2_TARGET static inline void factored_lanes_avx2(const float* super, const uint8_t* factors, __m256* lanes) {
+  for (int h = 0; h < 2; ++h) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(factors + 8 * h));
+    lanes[h] = _mm256_mul_ps(_mm256_loadu_ps(super + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+  }
+}
+
 // Lanes 0-7 and 8-15 of a group's dots from the four per-4-lane partial-pair accumulators.
 AVX2_TARGET static inline void finish_dots_avx2(const __m256i* part, __m256i* dot) {
   // hadd gives lanes [0 1 4 5 | 2 3 6 7]; the 64-bit permute puts them in order.
@@ -556,10 +574,9 @@ AVX2_TARGET static inline void matmul_rows_avx2(const PackedWeight& w, int64_t b
     const int64_t s = (block * w.groups + g) * kLanes;
     __m256 scale[2], mn[2];
     if (w.super_scales) {
-      alignas(32) float sf[kLanes], mf[kLanes];
-      factored_lanes(w, block, g, sf, mf);
-      load_scales_avx2(sf, 0, false, scale);
-      if (w.mins) load_scales_avx2(mf, 0, false, mn);
+      const FactorsAt f = factors_at(w, block, g);
+      factored_lanes_avx2(w.super_scales + f.super_at, static_cast<const uint8_t*>(w.scales) + f.at, scale);
+      if (w.mins) factored_lanes_avx2(w.super_mins + f.super_at, static_cast<const uint8_t*>(w.mins) + f.at, mn);
     } else {
       load_scales_avx2(w.scales, s, w.half, scale);
       if (w.mins) load_scales_avx2(w.mins, s, w.half, mn);
@@ -634,6 +651,12 @@ AVX512_TARGET static inline __m512 load_scales(const void* base, int64_t i, bool
   return _mm512_loadu_ps(static_cast<const float*>(base) + i);
 }
 
+// factored_lanes' products for one of scales or mins, 16 lanes at once.
+AVX512_TARGET static inline __m512 factored_lanes_avx512(const float* super, const uint8_t* factors) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(factors));
+  return _mm512_mul_ps(_mm512_loadu_ps(super), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+}
+
 template <int R>
 AVX512_TARGET static inline void matmul_rows_avx512(const PackedWeight& w, int64_t block, const RowQuant* rows,
                                                     __m512* acc) {
@@ -669,10 +692,9 @@ AVX512_TARGET static inline void matmul_rows_avx512(const PackedWeight& w, int64
     int64_t s = (block * w.groups + g) * kLanes;
     __m512 scale, mn = _mm512_setzero_ps();
     if (w.super_scales) {
-      alignas(64) float sf[kLanes], mf[kLanes];
-      factored_lanes(w, block, g, sf, mf);
-      scale = load_scales(sf, 0, false);
-      if (w.mins) mn = load_scales(mf, 0, false);
+      const FactorsAt f = factors_at(w, block, g);
+      scale = factored_lanes_avx512(w.super_scales + f.super_at, static_cast<const uint8_t*>(w.scales) + f.at);
+      if (w.mins) mn = factored_lanes_avx512(w.super_mins + f.super_at, static_cast<const uint8_t*>(w.mins) + f.at);
     } else {
       scale = load_scales(w.scales, s, w.half);
       if (w.mins) mn = load_scales(w.mins, s, w.half);
