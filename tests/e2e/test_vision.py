@@ -114,16 +114,19 @@ def test_several_data_url_images_in_chat_and_the_repeat_served_from_the_caches(s
     text_only = _chat(stack, [{"type": "text", "text": "Compare with please."}])
     first = _chat(stack, content)
     encoded, hits = _worker_counts(stack, QWEN)
-    # Two workers serve the model: the first repeat may go to the one that has not seen the
-    # images yet; by the second repeat, whichever worker takes it has them cached.
+    # Two workers serve the model, and a one-message conversation is not placed: each repeat goes
+    # to the worker that asks first. The first repeat on the first request's worker is served
+    # from its caches; on the other worker, it leaves the prompt in both, and the second repeat
+    # is served from the caches wherever it goes. So one of the two is, at least.
     repeats = [_chat(stack, content) for _ in range(2)]
     assert first.choices[0].message.content
     assert all(again.choices[0].message.content == first.choices[0].message.content for again in repeats)
     # Each image became its placeholders: many more prompt tokens than the words alone.
     assert first.usage.prompt_tokens > text_only.usage.prompt_tokens + 10
     assert all(again.usage.prompt_tokens == first.usage.prompt_tokens for again in repeats)
-    details = repeats[-1].usage.prompt_tokens_details
-    assert details is not None and (details.cached_tokens or 0) > 0
+    cached = [(again.usage.prompt_tokens_details.cached_tokens or 0) if again.usage.prompt_tokens_details else 0
+              for again in repeats]  # fmt: skip
+    assert any(count > 0 for count in cached), cached
     after = _worker_counts(stack, QWEN)
     if after[0] == encoded:  # the first request's worker took both repeats: no image encoded again
         assert after[1] >= hits + 4
