@@ -1389,13 +1389,7 @@ AVX512_TARGET static inline void weigh_values_few_avx512(const AttnArgs& a, int6
 AVX512_TARGET static void attend_few_avx512(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
                                             const int64_t* lane_t, int count) {
   const int64_t dim = a.dim;
-  FewQueries& f = few_queries(a, row, lane_head, lane_t, count, kLanes);
-  std::vector<float>& q = f.q;
-  std::vector<float>& scores = f.scores;
-  std::vector<float>& p = f.p;
-  std::vector<float>& kt = f.kt;
-  const int64_t* last = f.last;
-  const int64_t last_max = f.last_max, width = f.width;
+  auto& [q, scores, p, kt, last, last_max, width] = few_queries(a, row, lane_head, lane_t, count, kLanes);
   constexpr int64_t kSpan = kFewBlocks * kLanes;  // keys scored per pass
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t j0 = 0; j0 <= last_max; j0 += kSpan) {
@@ -1663,13 +1657,7 @@ AVX2_FMA_TARGET static inline void weigh_values_few_avx2(const AttnArgs& a, int6
 AVX2_FMA_TARGET static void attend_few_avx2(const AttnArgs& a, int64_t row, int64_t kvh, const int64_t* lane_head,
                                             const int64_t* lane_t, int count) {
   const int64_t dim = a.dim;
-  FewQueries& f = few_queries(a, row, lane_head, lane_t, count, kLanes8);
-  std::vector<float>& q = f.q;
-  std::vector<float>& scores = f.scores;
-  std::vector<float>& p = f.p;
-  std::vector<float>& kt = f.kt;
-  const int64_t* last = f.last;
-  const int64_t last_max = f.last_max, width = f.width;
+  auto& [q, scores, p, kt, last, last_max, width] = few_queries(a, row, lane_head, lane_t, count, kLanes8);
   constexpr int64_t kSpan = kFewBlocks * kLanes8;  // keys scored per pass
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int64_t j0 = 0; j0 <= last_max; j0 += kSpan) {
